@@ -1,0 +1,406 @@
+"""The layer contract: Params, eager variables, a stateless FProp, FPropMeta.
+
+A layer is built from its Params, creates all of its variables in
+`__init__` (nothing is lazy, so a partitioner can place a layer's variables on
+its stage's device before any data flows), and computes with
+
+    outputs = layer.FProp(layer.theta, *inputs)
+
+where `theta` is a NestedMap of the layer's variables mirroring its child
+tree. FProp reads nothing else (the call-level facts a few layers need are in
+`fprop_context`), so the pipeline can run it once per micro-batch and again in
+the backward pass and get the same answer.
+
+`FPropMeta(p, *input_shapes)` is a classmethod: the partitioner and simulator
+ask what a layer *would* cost (flops, output shapes, parameter and activation
+bytes) without building it.
+
+Initial values are a pure function of `random_seed` and the layer's path
+(e.g. 'model.layers[3].w'), so the same Params give the same weights however
+the model is later cut into stages.
+
+A custom layer needs only this module:
+
+    class Scale(base_layer.BaseLayer):
+      @classmethod
+      def Params(cls):
+        p = super().Params()
+        p.Define('dim', 0, 'Feature depth.')
+        return p
+
+      def __init__(self, params):
+        super().__init__(params)
+        self.CreateVariable('s', base_layer.WeightParams(
+            [self.params.dim], base_layer.WeightInit.Constant(1.0)))
+
+      def FProp(self, theta, x):
+        return x * theta.s
+
+      @classmethod
+      def FPropMeta(cls, p, x):
+        return base_layer.LayerMeta.Build(
+            p, flops=x.num_elements(), out_shapes=(x,), num_params=p.dim)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import math
+import re
+import threading
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+import tensorflow as tf
+
+from lingvo_pipe.core import fprop_context
+from lingvo_pipe.core.fprop_context import FPropContext, StatsCollector
+from lingvo_pipe.core.hyperparams import InstantiableParams, Params
+from lingvo_pipe.core.nested_map import NestedMap
+
+__all__ = [
+    'BaseLayer', 'FPropContext', 'LayerError', 'LayerMeta', 'NestedMap',
+    'Params', 'StatsCollector', 'WeightInit', 'WeightParams', 'fprop_context',
+    'StableSeed',
+]
+
+DEFAULT_RANDOM_SEED = 1234
+
+
+class LayerError(ValueError):
+  """Bad params or inputs for a layer; the message names the layer path."""
+
+
+# ---- Weight initialisation ------------------------------------------------
+class WeightInit:
+  """Initialiser specs, as Params so they print and parse with the model.
+
+  `method` is one of 'gaussian' (stddev=scale), 'truncated_gaussian',
+  'uniform' (±scale), 'xavier' (Glorot uniform × scale), 'he' (Kaiming normal
+  × scale, for ReLU), 'constant' (every value = scale).
+  """
+
+  METHODS = ('gaussian', 'truncated_gaussian', 'uniform', 'xavier', 'he',
+             'constant')
+
+  @staticmethod
+  def _Make(method: str, scale: float) -> Params:
+    p = Params()
+    p.Define('method', method, f'One of {WeightInit.METHODS}.')
+    p.Define('scale', float(scale), 'Stddev, range, gain or constant value.')
+    return p
+
+  @staticmethod
+  def Gaussian(scale: float = 1.0) -> Params:
+    return WeightInit._Make('gaussian', scale)
+
+  @staticmethod
+  def TruncatedGaussian(scale: float = 1.0) -> Params:
+    return WeightInit._Make('truncated_gaussian', scale)
+
+  @staticmethod
+  def Uniform(scale: float = 1.0) -> Params:
+    return WeightInit._Make('uniform', scale)
+
+  @staticmethod
+  def Xavier(scale: float = 1.0) -> Params:
+    return WeightInit._Make('xavier', scale)
+
+  @staticmethod
+  def He(scale: float = 1.0) -> Params:
+    return WeightInit._Make('he', scale)
+
+  @staticmethod
+  def Constant(scale: float = 0.0) -> Params:
+    return WeightInit._Make('constant', scale)
+
+
+def WeightParams(shape: Sequence[int],
+                 init: Params | None = None,
+                 dtype: tf.DType | None = None,
+                 trainable: bool = True) -> Params:
+  """Describes one variable: shape, initialiser, dtype, trainable."""
+  p = Params()
+  p.Define('shape', list(shape), 'Variable shape.')
+  p.Define('init', init, 'A WeightInit spec; None uses the layer\'s '
+           'params_init.')
+  p.Define('dtype', dtype, 'Variable dtype; None uses the layer\'s dtype.')
+  p.Define('trainable', trainable, 'False for statistics such as BatchNorm '
+           'moving averages.')
+  return p
+
+
+def StableSeed(*parts: Any) -> tf.Tensor:
+  """A [2] int64 seed for stateless RNG ops from a stable hash of `parts`."""
+  digest = hashlib.md5('/'.join(str(x) for x in parts).encode()).digest()
+  a = int.from_bytes(digest[:4], 'little') & 0x7FFFFFFF
+  b = int.from_bytes(digest[4:8], 'little') & 0x7FFFFFFF
+  return tf.constant([a, b], dtype=tf.int64)
+
+
+def _Fans(shape: Sequence[int]) -> tuple[int, int]:
+  if not shape:
+    return 1, 1
+  if len(shape) == 1:
+    return shape[0], shape[0]
+  receptive = int(np.prod(shape[:-2])) if len(shape) > 2 else 1
+  return shape[-2] * receptive, shape[-1] * receptive
+
+
+def _InitialValue(shape: list[int], init: Params, dtype: tf.DType,
+                  seed: tf.Tensor) -> tf.Tensor:
+  method, scale = init.method, init.scale
+  fan_in, fan_out = _Fans(shape)
+  if method == 'constant':
+    return tf.fill(shape, tf.cast(scale, dtype))
+  if method == 'gaussian':
+    return tf.random.stateless_normal(shape, seed, stddev=scale, dtype=dtype)
+  if method == 'truncated_gaussian':
+    return tf.random.stateless_truncated_normal(
+        shape, seed, stddev=scale, dtype=dtype)
+  if method == 'uniform':
+    return tf.random.stateless_uniform(
+        shape, seed, -scale, scale, dtype=dtype)
+  if method == 'xavier':
+    limit = scale * math.sqrt(6.0 / (fan_in + fan_out))
+    return tf.random.stateless_uniform(shape, seed, -limit, limit, dtype=dtype)
+  if method == 'he':
+    stddev = scale * math.sqrt(2.0 / fan_in)
+    return tf.random.stateless_normal(shape, seed, stddev=stddev, dtype=dtype)
+  raise LayerError(f'Unknown WeightInit method {method!r}; use one of '
+                   f'{WeightInit.METHODS}.')
+
+
+# ---- Cost record ------------------------------------------------------------
+def _Elements(shape: tf.TensorShape) -> int:
+  return int(np.prod([d if d is not None else 1 for d in shape.as_list()]))
+
+
+def AsShape(x: Any) -> Any:
+  """Converts a shape, list of ints or nested structure of them to TensorShapes."""
+  if isinstance(x, tf.TensorShape):
+    return x
+  if isinstance(x, (list, tuple)) and all(
+      isinstance(d, (int, type(None))) for d in x):
+    return tf.TensorShape(x)
+  if isinstance(x, dict):
+    return NestedMap({k: AsShape(v) for k, v in x.items()})
+  if isinstance(x, (list, tuple)):
+    return type(x)(AsShape(v) for v in x)
+  return tf.TensorShape(x)
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerMeta:
+  """What one FProp costs: flops (2 × multiply-adds), output shapes, bytes.
+
+  `out_shapes` is a tuple of (possibly nested) TensorShapes, one per positional
+  input of the next layer. Unknown dimensions count as 1 in the byte totals.
+  """
+  flops: int
+  out_shapes: tuple[Any, ...]
+  param_bytes: int
+  out_bytes: int
+
+  @staticmethod
+  def Build(p: Params, flops: float, out_shapes: Sequence[Any],
+            num_params: int, out_dtype: tf.DType | None = None) -> 'LayerMeta':
+    dtype = out_dtype or p.fprop_dtype or p.dtype
+    shapes = tuple(AsShape(s) for s in out_shapes)
+    leaves = [s for s in tf.nest.flatten(shapes)]
+    out_bytes = sum(_Elements(s) for s in leaves) * dtype.size
+    return LayerMeta(
+        flops=int(flops),
+        out_shapes=shapes,
+        param_bytes=int(num_params) * p.dtype.size,
+        out_bytes=int(out_bytes))
+
+  def __add__(self, other: 'LayerMeta') -> 'LayerMeta':
+    """Composition: `self` then `other` (outputs are `other`'s)."""
+    return LayerMeta(self.flops + other.flops, other.out_shapes,
+                     self.param_bytes + other.param_bytes,
+                     self.out_bytes + other.out_bytes)
+
+
+# ---- The layer --------------------------------------------------------------
+_BUILD = threading.local()
+
+
+def _SnakeCase(name: str) -> str:
+  return re.sub(r'(?<!^)(?=[A-Z])', '_', name).lower()
+
+
+class BaseLayer(tf.Module):
+  """Base class of every layer: see the module docstring for the contract."""
+
+  @classmethod
+  def Params(cls) -> InstantiableParams:
+    p = InstantiableParams(cls)
+    p.Define('name', '', 'Name of this layer; its path in the model is the '
+             'parent\'s path + "." + name. Defaults to the class name.')
+    p.Define('dtype', tf.float32, 'Dtype of the variables.')
+    p.Define('fprop_dtype', None, 'Dtype of the computation; None = dtype.')
+    p.Define('random_seed', None, 'Seed of the initial values; None inherits '
+             f'the parent\'s ({DEFAULT_RANDOM_SEED} at the root).')
+    p.Define('params_init', WeightInit.Xavier(1.0), 'Default initialiser of '
+             'this layer\'s weights.')
+    return p
+
+  def __init__(self, params: InstantiableParams) -> None:
+    name = params.name or _SnakeCase(type(self).__name__)
+    super().__init__(name=re.sub(r'\W', '_', name))
+    parent: BaseLayer | None = getattr(_BUILD, 'parent', None)
+    child_name: str | None = getattr(_BUILD, 'child_name', None)
+    self._params = params.Copy().Freeze()
+    self._path = (f'{parent.path}.{child_name}' if parent is not None and
+                  child_name else name)
+    seed = params.random_seed
+    if seed is None:
+      seed = parent.random_seed if parent is not None else DEFAULT_RANDOM_SEED
+    self._random_seed = int(seed)
+    self._private_vars = NestedMap()
+    self._private_children = NestedMap()
+
+  # ---- Read-only facts --------------------------------------------------
+  @property
+  def params(self) -> InstantiableParams:
+    """The frozen Params this layer was built from."""
+    return self._params
+
+  @property
+  def path(self) -> str:
+    """Dotted path from the root, e.g. 'model.encoder.layers[2]'."""
+    return self._path
+
+  @property
+  def random_seed(self) -> int:
+    return self._random_seed
+
+  @property
+  def fprop_dtype(self) -> tf.DType:
+    return self._params.fprop_dtype or self._params.dtype
+
+  @property
+  def vars(self) -> NestedMap:
+    """This layer's own variables (not its children's)."""
+    return self._private_vars
+
+  @property
+  def children(self) -> NestedMap:
+    return self._private_children
+
+  @property
+  def theta(self) -> NestedMap:
+    """Variables of this layer and all children, as a NestedMap tree."""
+    out = NestedMap(self._private_vars)
+    for name, child in self._private_children.items():
+      if isinstance(child, list):
+        out[name] = [c.theta for c in child]
+      else:
+        out[name] = child.theta
+    return out
+
+  def Walk(self) -> Iterator['BaseLayer']:
+    """This layer and every descendant, parents first."""
+    yield self
+    for child in self._private_children.values():
+      for c in (child if isinstance(child, list) else [child]):
+        yield from c.Walk()
+
+  # ---- Building -------------------------------------------------------------
+  @contextlib.contextmanager
+  def _Building(self, child_name: str) -> Iterator[None]:
+    saved = (getattr(_BUILD, 'parent', None), getattr(_BUILD, 'child_name',
+                                                     None))
+    _BUILD.parent, _BUILD.child_name = self, child_name
+    try:
+      yield
+    finally:
+      _BUILD.parent, _BUILD.child_name = saved
+
+  def _ChildParams(self, name: str, params: InstantiableParams) -> Params:
+    p = params.Copy()
+    if not p.name:
+      p.name = name
+    return p
+
+  def CreateChild(self, name: str, params: InstantiableParams) -> 'BaseLayer':
+    """Builds child `name` from `params`; it appears in theta as theta.name."""
+    self._CheckNewName(name)
+    with self._Building(name):
+      child = self._ChildParams(name, params).Instantiate()
+    self._private_children[name] = child
+    self._track_trackable(child, name=name)
+    return child
+
+  def CreateChildren(self, name: str,
+                     params_list: Sequence[InstantiableParams]
+                    ) -> list['BaseLayer']:
+    """Builds a list of children; theta.name is the list of their thetas."""
+    self._CheckNewName(name)
+    children = []
+    for i, params in enumerate(params_list):
+      with self._Building(f'{name}[{i}]'):
+        child = self._ChildParams(f'{name}_{i}', params).Instantiate()
+      self._track_trackable(child, name=f'{name}_{i}')
+      children.append(child)
+    self._private_children[name] = children
+    return children
+
+  def CreateVariable(self, name: str, wp: Params) -> tf.Variable:
+    """Creates variable `name` now, with a path-derived initial value."""
+    self._CheckNewName(name)
+    dtype = wp.dtype or self._params.dtype
+    init = wp.init or self._params.params_init
+    shape = [int(d) for d in wp.shape]
+    seed = StableSeed(self._random_seed, self.path, name)
+    value = _InitialValue(shape, init, dtype, seed)
+    var = tf.Variable(value, trainable=wp.trainable,
+                      name=re.sub(r'[^\w./-]', '_', f'{self.path}/{name}'))
+    self._private_vars[name] = var
+    self._track_trackable(var, name=name)
+    return var
+
+  def _CheckNewName(self, name: str) -> None:
+    if name in self._private_vars or name in self._private_children:
+      raise LayerError(f'{self.path}: {name!r} is already a variable or '
+                       'child of this layer; pick another name.')
+
+  # ---- Computing -------------------------------------------------------------
+  def FProp(self, theta: NestedMap, *inputs: Any) -> Any:
+    """Computes outputs from theta and inputs only. Subclasses override."""
+    raise NotImplementedError(f'{type(self).__name__} must implement FProp.')
+
+  def __call__(self, *inputs: Any) -> Any:
+    return self.FProp(self.theta, *inputs)
+
+  @classmethod
+  def FPropMeta(cls, p: Params, *input_shapes: Any) -> LayerMeta:
+    """Cost and output shapes of FProp on inputs of these shapes."""
+    raise NotImplementedError(
+        f'{cls.__name__} must implement FPropMeta(p, *input_shapes) so that '
+        'the partitioner can cost it.')
+
+  # ---- Statistics (BatchNorm and friends) -----------------------------------
+  def FoldStats(self, stats: NestedMap) -> list[tf.Operation]:
+    """Folds summed statistics of one step into this layer's state."""
+    raise NotImplementedError(f'{self.path} collected statistics but '
+                              f'{type(self).__name__} does not fold them.')
+
+  def UpdateStats(self, stats: dict[str, NestedMap]) -> None:
+    """Applies `stats` (keyed by layer path) to the layers of this subtree."""
+    known = {layer.path: layer for layer in self.Walk()}
+    for path, s in stats.items():
+      if path not in known:
+        raise LayerError(f'Statistics for {path!r}, which is not a layer '
+                         f'under {self.path!r}.')
+      known[path].FoldStats(s)
+
+  def AddStats(self, stats: NestedMap) -> None:
+    """Called from FProp: adds this call's sufficient statistics, if
+    the current context collects them (training forward, not recompute)."""
+    collector = fprop_context.Current().stats
+    if collector is not None:
+      collector.Add(self.path, stats)

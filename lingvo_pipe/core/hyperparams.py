@@ -1,0 +1,509 @@
+"""Params: self-documenting, text-serialisable hyperparameters.
+
+Every layer, task and model in lingvo_pipe is configured by a `Params` tree.
+Each key is declared once with a default and a doc string (`Define`), so a
+typo is an error that names the full path and the closest real key instead of
+a silently ignored attribute. The tree prints as `path : value` lines
+(`ToText`) that parse back (`FromText`); the trainer stores that text in the
+logdir and refuses to resume under different params, printing `TextDiff`.
+
+>>> p = Params()
+>>> p.Define('learning_rate', 0.1, 'Peak learning rate.')
+>>> p.Set(learning_rate=0.2)
+>>> p.learning_rate
+0.2
+"""
+
+from __future__ import annotations
+
+import ast
+import copy
+import difflib
+import importlib
+import re
+from typing import Any, Iterator
+
+import tensorflow as tf
+
+_PATH_PART = re.compile(r'^([A-Za-z_]\w*)((?:\[\d+\])*)$')
+_LIST_HEADER = re.compile(r'^(list|tuple)\(len=(\d+)\)$')
+
+
+class ParamsError(AttributeError):
+  """A key, path or value that the Params tree does not accept."""
+
+
+def _Suggest(name: str, candidates: list[str]) -> str:
+  close = difflib.get_close_matches(name, candidates, n=3, cutoff=0.6)
+  return f' Did you mean {" or ".join(repr(c) for c in close)}?' if close else ''
+
+
+class _Param:
+  """One defined key: its value, default and doc string."""
+
+  __slots__ = ('name', 'value', 'default', 'doc')
+
+  def __init__(self, name: str, default: Any, doc: str) -> None:
+    self.name = name
+    self.value = default
+    self.default = default
+    self.doc = doc
+
+
+class Params:
+  """An ordered tree of documented hyperparameters."""
+
+  def __init__(self) -> None:
+    self.__dict__['_params'] = {}
+    self.__dict__['_frozen'] = False
+    self.__dict__['_path'] = ''
+
+  # ---- Definition and access -------------------------------------------
+  def Define(self, name: str, default: Any, doc: str) -> None:
+    """Declares key `name` with a default value and a doc string."""
+    self._CheckMutable(name)
+    if not _PATH_PART.match(name) or '[' in name or name.startswith('_'):
+      raise ParamsError(f'Param name {self._Full(name)!r} must be an '
+                        'identifier that does not start with "_".')
+    if name in self._params:
+      raise ParamsError(f'Param {self._Full(name)!r} is already defined '
+                        f'(doc: {self._params[name].doc!r}).')
+    if not doc:
+      raise ParamsError(f'Param {self._Full(name)!r} needs a doc string: say '
+                        'what it does and in which unit.')
+    self._params[name] = _Param(name, default, doc)
+    self._Adopt(name, default)
+
+  def __getattr__(self, name: str) -> Any:
+    if name.startswith('__'):
+      raise AttributeError(name)
+    params = self.__dict__['_params']
+    if name not in params:
+      raise self._UnknownKey(name)
+    return params[name].value
+
+  def __setattr__(self, name: str, value: Any) -> None:
+    self._CheckMutable(name)
+    if name not in self._params:
+      raise self._UnknownKey(name)
+    self._params[name].value = value
+    self._Adopt(name, value)
+
+  def __contains__(self, name: str) -> bool:
+    return name in self._params
+
+  def __dir__(self) -> list[str]:
+    return list(super().__dir__()) + list(self._params)
+
+  def __eq__(self, other: object) -> bool:
+    if not isinstance(other, Params):
+      return NotImplemented
+    return self._Flat() == other._Flat()
+
+  def __repr__(self) -> str:
+    return f'{type(self).__name__}(\n{self.ToText()})'
+
+  def IterParams(self) -> Iterator[tuple[str, Any]]:
+    """(name, value) pairs in definition order."""
+    for name, param in self._params.items():
+      yield name, param.value
+
+  def GetDoc(self, name: str) -> str:
+    if name not in self._params:
+      raise self._UnknownKey(name)
+    return self._params[name].doc
+
+  def Get(self, path: str) -> Any:
+    """The value at a dotted path such as 'layers[2].output_dim'."""
+    parent, key, index = self._Walk(path, create=False)
+    value = getattr(parent, key)
+    return value if index is None else value[index]
+
+  def Set(self, **kwargs: Any) -> 'Params':
+    """Sets values by name or dotted path; returns self for chaining.
+
+    `p.Set(learning_rate=0.1)` or `p.Set(**{'stage.fc.output_dim': 8,
+    'layers[0].name': 'fc0'})`.
+    """
+    for path, value in kwargs.items():
+      parent, key, index = self._Walk(path, create=False)
+      if index is None:
+        setattr(parent, key, value)
+      else:
+        container = getattr(parent, key)
+        parent._CheckMutable(key)
+        if isinstance(container, tuple):
+          container = container[:index] + (value,) + container[index + 1:]
+          setattr(parent, key, container)
+        else:
+          container[index] = value
+    return self
+
+  # ---- Copy and freeze ---------------------------------------------------
+  def Copy(self) -> 'Params':
+    """A deep, unfrozen copy (classes, dtypes and other leaves are shared)."""
+    new = copy.copy(self)
+    new.__dict__['_params'] = {}
+    new.__dict__['_frozen'] = False
+    new.__dict__['_path'] = self._path
+    for name, param in self._params.items():
+      new._params[name] = _Param(name, _CopyValue(param.value), param.doc)
+      new._params[name].default = param.default
+    return new
+
+  def Freeze(self) -> 'Params':
+    """Makes this tree (and every nested Params) read-only; returns self."""
+    self.__dict__['_frozen'] = True
+    for _, value in self.IterParams():
+      for sub in _SubParams(value):
+        sub.Freeze()
+    return self
+
+  @property
+  def is_frozen(self) -> bool:
+    return self._frozen
+
+  # ---- Text ----------------------------------------------------------------
+  def ToText(self) -> str:
+    """`path : value` lines, one per leaf, in definition order."""
+    return ''.join(f'{k} : {v}\n' for k, v in self._Flat().items())
+
+  def FromText(self, text: str) -> 'Params':
+    """Applies `path : value` lines (ToText's format); returns self.
+
+    Lines may be separated by newlines or ';' (the trainer's
+    --model_params_override). A value is parsed into the type of the value it
+    replaces; a mismatch raises an error naming the key, the text and the
+    expected type.
+    """
+    for raw in re.split(r'[\n;]', text):
+      line = raw.strip()
+      if not line or line.startswith('#'):
+        continue
+      if ':' not in line:
+        raise ParamsError(f'Malformed params line {line!r}: expected '
+                          '"path : value", e.g. "task.train.learning_rate : '
+                          '0.1".')
+      path, text_value = (s.strip() for s in line.split(':', 1))
+      self._SetFromText(path, text_value)
+    return self
+
+  def TextDiff(self, other: 'Params') -> str:
+    """Lines that differ: '- key : mine', '+ key : theirs'."""
+    mine, theirs = self._Flat(), other._Flat()
+    out = []
+    for key in list(mine) + [k for k in theirs if k not in mine]:
+      a, b = mine.get(key), theirs.get(key)
+      if a != b:
+        if a is not None:
+          out.append(f'- {key} : {a}')
+        if b is not None:
+          out.append(f'+ {key} : {b}')
+    return '\n'.join(out)
+
+  # ---- Internals -------------------------------------------------------------
+  def _Full(self, name: str) -> str:
+    return f'{self._path}.{name}' if self._path else name
+
+  def _UnknownKey(self, name: str) -> ParamsError:
+    return ParamsError(
+        f'Unknown param {self._Full(name)!r}.'
+        f'{_Suggest(name, list(self._params))} Defined here: '
+        f'{", ".join(self._params) or "(none)"}.')
+
+  def _CheckMutable(self, name: str) -> None:
+    if self._frozen:
+      raise ParamsError(
+          f'Cannot set {self._Full(name)!r}: these Params are frozen (a '
+          'layer keeps a frozen copy of its params). Change a Copy() and '
+          'instantiate again.')
+
+  def _Adopt(self, name: str, value: Any) -> None:
+    """Records the path of nested Params for error messages."""
+    if isinstance(value, Params):
+      value.__dict__['_path'] = self._Full(name)
+    elif isinstance(value, (list, tuple)):
+      for i, item in enumerate(value):
+        if isinstance(item, Params):
+          item.__dict__['_path'] = f'{self._Full(name)}[{i}]'
+
+  def _Walk(self, path: str, create: bool) -> tuple['Params', str, int | None]:
+    """Resolves 'a.b[2].c' to (Params holding c, 'c', list index or None)."""
+    node: Params = self
+    parts = path.split('.')
+    done: list[str] = []
+    for depth, part in enumerate(parts):
+      m = _PATH_PART.match(part)
+      if not m:
+        raise ParamsError(f'Malformed param path {path!r} at {part!r}: use '
+                          'dotted names with optional [index], e.g. '
+                          '"layers[2].output_dim".')
+      key, indices = m.group(1), [int(i) for i in re.findall(r'\d+',
+                                                            m.group(2))]
+      if key not in node._params:
+        raise ParamsError(
+            f'Unknown param {".".join(done + [key])!r} in path {path!r}.'
+            f'{_Suggest(key, list(node._params))} Defined at this level: '
+            f'{", ".join(node._params) or "(none)"}.')
+      last = depth == len(parts) - 1
+      if last and len(indices) <= 1:
+        return node, key, (indices[0] if indices else None)
+      value = node._params[key].value
+      for j, index in enumerate(indices):
+        if not isinstance(value, (list, tuple)) or index >= len(value):
+          size = len(value) if isinstance(value, (list, tuple)) else 'n/a'
+          raise ParamsError(f'Index [{index}] out of range in {path!r} (list '
+                            f'length {size}).')
+        if last and j == len(indices) - 1:
+          raise ParamsError(f'Nested list indices are not settable: {path!r}.')
+        value = value[index]
+      if value is None and create:
+        value = _OpenParams()  # Keys get defined as the text assigns them.
+        node._SetIndexed(key, indices, value)
+      if not isinstance(value, Params):
+        raise ParamsError(f'{".".join(done + [part])!r} in path {path!r} is '
+                          f'a {type(value).__name__}, not Params.')
+      node = value
+      done.append(part)
+    raise ParamsError(f'Empty param path {path!r}.')
+
+  def _SetIndexed(self, key: str, indices: list[int], value: Any) -> None:
+    if not indices:
+      setattr(self, key, value)
+      return
+    container = self._params[key].value
+    if isinstance(container, tuple):
+      container = list(container)
+      container[indices[0]] = value
+      setattr(self, key, tuple(container))
+    else:
+      container[indices[0]] = value
+      self._Adopt(key, container)
+
+  def _SetFromText(self, path: str, text_value: str) -> None:
+    if path.endswith('.cls'):
+      self._SetClassFromText(path[:-len('.cls')], text_value)
+      return
+    parent, key, index = self._Walk(path, create=True)
+    head = _LIST_HEADER.match(text_value)
+    if head:
+      size, kind = int(head.group(2)), head.group(1)
+      old = getattr(parent, key) if index is None else None
+      old = list(old) if isinstance(old, (list, tuple)) else []
+      new = (old + [None] * size)[:size]
+      setattr(parent, key, tuple(new) if kind == 'tuple' else new)
+      return
+    old = getattr(parent, key) if index is None else getattr(parent,
+                                                             key)[index]
+    suffix = '' if index is None else f'[{index}]'
+    parent.Set(**{key + suffix: _ParseValue(text_value, old, path)})
+
+  def _SetClassFromText(self, owner_path: str, text_value: str) -> None:
+    """`x.cls : type/...`: (re)builds x from the class's own Params()."""
+    new_cls = _ParseValue(text_value, type, f'{owner_path}.cls')
+    parent, key, index = self._Walk(owner_path, create=True)
+    owner = getattr(parent, key) if index is None else getattr(parent,
+                                                               key)[index]
+    if isinstance(owner, InstantiableParams) and owner.cls is new_cls:
+      return
+    if not hasattr(new_cls, 'Params'):
+      raise ParamsError(f'{owner_path}.cls : {text_value} has no Params() '
+                        'classmethod, so it cannot be a params class.')
+    suffix = '' if index is None else f'[{index}]'
+    parent.Set(**{key + suffix: new_cls.Params()})
+
+  def _Flat(self) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for name, value in self.IterParams():
+      _Flatten(name, value, out)
+    return out
+
+
+class InstantiableParams(Params):
+  """Params with a `cls` key; `Instantiate()` builds `cls(self)`."""
+
+  def __init__(self, cls: type | None = None) -> None:
+    super().__init__()
+    self.Define('cls', cls, 'The class that these params instantiate.')
+
+  def Instantiate(self, **kwargs: Any) -> Any:
+    if self.cls is None:
+      raise ParamsError(f'Cannot instantiate {self._path or "params"}: '
+                        '`cls` is None. Set p.cls or start from '
+                        'SomeClass.Params().')
+    return self.cls(self, **kwargs)
+
+
+# ---- Value (de)serialisation -------------------------------------------------
+def _SubParams(value: Any) -> list[Params]:
+  if isinstance(value, Params):
+    return [value]
+  if isinstance(value, (list, tuple)):
+    return [v for v in value if isinstance(v, Params)]
+  return []
+
+
+def _CopyValue(value: Any) -> Any:
+  if isinstance(value, Params):
+    return value.Copy()
+  if isinstance(value, list):
+    return [_CopyValue(v) for v in value]
+  if isinstance(value, tuple):
+    return tuple(_CopyValue(v) for v in value)
+  if isinstance(value, dict):
+    return {k: _CopyValue(v) for k, v in value.items()}
+  return value
+
+
+class _OpenParams(Params):
+  """Params that accept keys they have not defined (built by FromText)."""
+
+  def __setattr__(self, name: str, value: Any) -> None:
+    if name not in self._params:
+      self.Define(name, None, 'Set from text.')
+    super().__setattr__(name, value)
+
+  def _Walk(self, path: str, create: bool) -> tuple[Params, str, int | None]:
+    key = _PATH_PART.match(path.split('.')[0])
+    if key and key.group(1) not in self._params:
+      self.Define(key.group(1), None, 'Set from text.')
+    return super()._Walk(path, create)
+
+
+def _Flatten(path: str, value: Any, out: dict[str, str]) -> None:
+  if isinstance(value, Params):
+    for name, sub in value.IterParams():
+      _Flatten(f'{path}.{name}', sub, out)
+  elif isinstance(value, (list, tuple)) and any(
+      isinstance(v, Params) for v in value):
+    out[path] = f'{type(value).__name__}(len={len(value)})'
+    for i, item in enumerate(value):
+      _Flatten(f'{path}[{i}]', item, out)
+  else:
+    out[path] = _ValueToText(path, value)
+
+
+def _ValueToText(path: str, value: Any) -> str:
+  if isinstance(value, tf.DType):
+    return f'tf.{value.name}'
+  if isinstance(value, type):
+    return f'type/{value.__module__}.{value.__qualname__}'
+  if isinstance(value, (list, tuple)):
+    inner = ', '.join(_ValueToText(path, v) for v in value)
+    if isinstance(value, tuple):
+      return f'({inner},)' if len(value) == 1 else f'({inner})'
+    return f'[{inner}]'
+  if isinstance(value, dict):
+    inner = ', '.join(f'{k!r}: {_ValueToText(path, v)}'
+                      for k, v in value.items())
+    return '{' + inner + '}'
+  if value is None or isinstance(value, (bool, int, float, str)):
+    return repr(value)
+  if hasattr(value, 'item') and hasattr(value, 'dtype'):  # numpy scalar
+    return repr(value.item())
+  raise ParamsError(
+      f'Param {path!r} holds a {type(value).__name__} ({value!r}), which '
+      'cannot be written as text. Store a number, string, bool, None, '
+      'list/tuple, dtype, class or nested Params (e.g. a name string for a '
+      'function).')
+
+
+def _ParseLeaf(text: str) -> Any:
+  text = text.strip()
+  if text.startswith('tf.'):
+    return tf.as_dtype(text[3:])
+  if text.startswith('type/'):
+    module, _, name = text[5:].rpartition('.')
+    try:
+      obj: Any = importlib.import_module(module)
+    except ImportError:
+      # Nested classes: import the longest importable prefix.
+      parts = text[5:].split('.')
+      for cut in range(len(parts) - 1, 0, -1):
+        try:
+          obj = importlib.import_module('.'.join(parts[:cut]))
+          for attr in parts[cut:]:
+            obj = getattr(obj, attr)
+          return obj
+        except (ImportError, AttributeError):
+          continue
+      raise
+    for attr in name.split('.'):
+      obj = getattr(obj, attr)
+    return obj
+  if text in ('inf', '-inf', 'nan'):
+    return float(text)
+  return ast.literal_eval(text)
+
+
+def _SplitTopLevel(text: str) -> list[str]:
+  """Splits 'a, (b, c), [d]' at top-level commas."""
+  parts, depth, cur, quote = [], 0, [], ''
+  for ch in text:
+    if quote:
+      cur.append(ch)
+      if ch == quote:
+        quote = ''
+      continue
+    if ch in '\'"':
+      quote = ch
+    elif ch in '([{':
+      depth += 1
+    elif ch in ')]}':
+      depth -= 1
+    if ch == ',' and depth == 0:
+      parts.append(''.join(cur))
+      cur = []
+    else:
+      cur.append(ch)
+  if ''.join(cur).strip():
+    parts.append(''.join(cur))
+  return parts
+
+
+def _ParseText(text: str) -> Any:
+  text = text.strip()
+  if len(text) >= 2 and text[0] in '[(' and text[-1] in '])' and (
+      'tf.' in text or 'type/' in text):
+    items = [_ParseText(t) for t in _SplitTopLevel(text[1:-1])]
+    return items if text[0] == '[' else tuple(items)
+  return _ParseLeaf(text)
+
+
+def _ParseValue(text: str, old: Any, path: str) -> Any:
+  """Parses `text` into the type of `old` (the value it replaces)."""
+  try:
+    value = _ParseText(text)
+  except (ValueError, SyntaxError, ImportError, AttributeError, TypeError):
+    if isinstance(old, str) or old is None:
+      return text  # An unquoted string, as users type on the command line.
+    raise ParamsError(f'Cannot parse {path} : {text!r} as '
+                      f'{type(old).__name__}.') from None
+  if old is None or value is None:
+    return value
+  if isinstance(old, bool):
+    ok = isinstance(value, bool)
+  elif isinstance(old, int):
+    ok = isinstance(value, int) and not isinstance(value, bool)
+  elif isinstance(old, float):
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    value = float(value) if ok else value
+  elif isinstance(old, str):
+    ok = isinstance(value, str)
+    if not ok:
+      value, ok = text, True  # e.g. 'adam' typed without quotes
+  elif isinstance(old, tf.DType):
+    ok = isinstance(value, tf.DType)
+  elif isinstance(old, type):
+    ok = isinstance(value, type)
+  elif isinstance(old, (list, tuple)):
+    ok = isinstance(value, (list, tuple))
+    if ok:
+      value = type(old)(value)
+  else:
+    ok = True
+  if not ok:
+    raise ParamsError(
+        f'Param {path!r}: text {text!r} is a {type(value).__name__}, '
+        f'expected {type(old).__name__} (current value {old!r}).')
+  return value

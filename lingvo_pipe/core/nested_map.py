@@ -1,0 +1,105 @@
+"""NestedMap: a dict with attribute access that `tf.nest` understands.
+
+Thetas, batches and stage activations are trees of tensors. A plain dict
+works with `tf.nest` but reads badly (`theta['fc']['w']`); a NestedMap reads
+like the layer tree it mirrors (`theta.fc.w`) and, being a dict subclass,
+flattens and packs with `tf.nest` (keys in sorted order), so it can cross
+`tf.function`, `tf.custom_gradient` and pipeline-stage boundaries unchanged.
+"""
+
+from __future__ import annotations
+
+import difflib
+from typing import Any, Callable, Iterator
+
+import tensorflow as tf
+
+
+class NestedMap(dict):
+  """A dict whose string keys are also attributes.
+
+  >>> m = NestedMap(w=1, child=NestedMap(b=2))
+  >>> m.child.b
+  2
+  >>> sorted(m.FlattenItems())
+  [('child.b', 2), ('w', 1)]
+  """
+
+  _RESERVED = frozenset(dir(dict))
+
+  def __init__(self, *args: Any, **kwargs: Any) -> None:
+    super().__init__(*args, **kwargs)
+    for key in self:
+      self._CheckKey(key)
+
+  @classmethod
+  def _CheckKey(cls, key: Any) -> None:
+    if not isinstance(key, str) or not key.isidentifier():
+      raise ValueError(f'NestedMap keys must be identifiers, got {key!r}.')
+    if key in cls._RESERVED:
+      raise ValueError(
+          f'NestedMap key {key!r} shadows a dict method; rename it.')
+
+  def __setitem__(self, key: str, value: Any) -> None:
+    self._CheckKey(key)
+    super().__setitem__(key, value)
+
+  def __getattr__(self, name: str) -> Any:
+    try:
+      return self[name]
+    except KeyError:
+      close = difflib.get_close_matches(name, list(self.keys()), n=3)
+      hint = f' Did you mean {", ".join(close)}?' if close else ''
+      raise AttributeError(
+          f'NestedMap has no key {name!r} (keys: {sorted(self.keys())}).'
+          f'{hint}') from None
+
+  def __setattr__(self, name: str, value: Any) -> None:
+    self[name] = value
+
+  def __delattr__(self, name: str) -> None:
+    try:
+      del self[name]
+    except KeyError:
+      raise AttributeError(name) from None
+
+  def copy(self) -> 'NestedMap':  # Shallow, keeps the type.
+    return NestedMap(self)
+
+  def DeepCopy(self) -> 'NestedMap':
+    """Copies every nested NestedMap/list; leaves are shared."""
+    return tf.nest.map_structure(lambda x: x, self)
+
+  def Flatten(self) -> list[Any]:
+    """Leaves in `tf.nest` order."""
+    return tf.nest.flatten(self)
+
+  def FlattenItems(self) -> list[tuple[str, Any]]:
+    """(dotted path, leaf) pairs, e.g. ('child.w', v) or ('layers[1].b', v)."""
+    return list(_Items(self, ''))
+
+  def Pack(self, leaves: list[Any]) -> 'NestedMap':
+    """The same structure with `leaves` (in `Flatten` order) as leaves."""
+    return tf.nest.pack_sequence_as(self, leaves)
+
+  def Transform(self, fn: Callable[[Any], Any]) -> 'NestedMap':
+    """Applies `fn` to every leaf."""
+    return tf.nest.map_structure(fn, self)
+
+  def GetItem(self, path: str) -> Any:
+    """The leaf or subtree at a dotted path, e.g. 'encoder.fc.w'."""
+    node: Any = self
+    for part in path.split('.'):
+      node = node[part]
+    return node
+
+
+def _Items(node: Any, prefix: str) -> Iterator[tuple[str, Any]]:
+  if isinstance(node, dict):
+    for key in sorted(node):
+      yield from _Items(node[key], f'{prefix}.{key}' if prefix else key)
+  elif isinstance(node, (list, tuple)):
+    for i, item in enumerate(node):
+      yield from _Items(item, f'{prefix}[{i}]')
+  else:
+    yield prefix, node

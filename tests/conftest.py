@@ -1,0 +1,23 @@
+"""Test set-up: 4 logical CPU devices (so pipeline tests need no GPU), seeds."""
+
+import os
+import random
+
+os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from lingvo_pipe.core import devices
+
+NUM_TEST_DEVICES = 4
+devices.ConfigureLogicalCpus(NUM_TEST_DEVICES)
+
+
+@pytest.fixture(autouse=True)
+def _reset_seeds():
+  random.seed(0)
+  np.random.seed(0)
+  tf.random.set_seed(0)
+  yield
