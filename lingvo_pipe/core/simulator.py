@@ -1,0 +1,287 @@
+"""Predicts a pipelined step before running it: time, bubble, memory.
+
+Choosing K (stages), M (micro-batches), the recompute policy and the
+schedule trades step time against activation memory, and a wrong choice
+costs a run that runs out of memory or idles most devices. This module
+replays one step on paper: every stage runs its ops in schedule order
+(`schedule.py`), an op starts when its stage is free and its dependencies
+are done (+ `transfer_time` when they cross stages), and it lasts the
+stage's forward / recompute / backward time.
+
+Memory model, per stage and micro-batch (from the op start/end times):
+  with recompute   boundary_bytes from F's start to B's end (the saved
+                   stage input), plus activation_bytes from R's start to B's
+                   end (the rebuilt intermediates);
+  without          boundary_bytes + activation_bytes from F's start to B's
+                   end.
+The transient working memory inside one op is not counted.
+
+"Single device" means the same ops run back to back on one device (no
+bubbles, no transfers), so `speedup_vs_single_device` = K × (1 - bubble)
+isolates what pipelining costs in idle time.
+
+>>> r = simulate([StageCost(forward=1.0)] * 2, num_micro_batches=3)
+>>> r.step_time, round(r.bubble_fraction, 4)
+(16.0, 0.25)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+from typing import NamedTuple, Sequence
+
+from lingvo_pipe.core import partitioner
+from lingvo_pipe.core import schedule as schedule_lib
+from lingvo_pipe.core.partitioner import format_quantity
+
+__all__ = ['Event', 'SimResult', 'SimulationError', 'StageCost', 'simulate',
+           'stage_costs_from_layers']
+
+
+class SimulationError(ValueError):
+  """Stage costs or step settings the simulator cannot use."""
+
+
+def _check_amount(name: str, value: float, allow_zero: bool = True) -> None:
+  if (not isinstance(value, numbers.Real) or isinstance(value, bool) or
+      math.isnan(value) or math.isinf(value) or value < 0 or
+      (value == 0 and not allow_zero)):
+    limit = '≥ 0' if allow_zero else '> 0'
+    raise SimulationError(f'{name} = {value!r} must be a finite number '
+                          f'{limit}.')
+
+
+@dataclasses.dataclass(frozen=True)
+class StageCost:
+  """What one stage costs per micro-batch.
+
+  Times are in seconds (or any one unit); bytes are per micro-batch except
+  `param_bytes`. `backward` defaults to 2 × forward (two matmuls per forward
+  one), `recompute` to forward (it re-runs the forward).
+  """
+  forward: float
+  backward: float | None = None
+  recompute: float | None = None
+  boundary_bytes: float = 0.0  # The stage's input: kept with recompute.
+  activation_bytes: float = 0.0  # All intermediates inside the stage.
+  param_bytes: float = 0.0
+
+  def __post_init__(self) -> None:
+    if self.backward is None:
+      object.__setattr__(self, 'backward', 2.0 * self.forward)
+    if self.recompute is None:
+      object.__setattr__(self, 'recompute', self.forward)
+    for field in dataclasses.fields(self):
+      _check_amount(f'StageCost.{field.name}', getattr(self, field.name))
+
+  def time(self, kind: str) -> float:
+    """Duration of an op of `kind` ('F', 'R' or 'B')."""
+    return float({'F': self.forward, 'R': self.recompute,
+                  'B': self.backward}[kind])  # type: ignore[arg-type]
+
+
+class Event(NamedTuple):
+  """One op on the timeline."""
+  stage: int
+  micro_batch: int
+  kind: str  # 'F', 'R' or 'B'.
+  start: float
+  end: float
+
+
+@dataclasses.dataclass(frozen=True)
+class SimResult:
+  """The predicted step; see `to_text` for a table."""
+  stages: tuple[StageCost, ...]
+  num_micro_batches: int
+  recompute: str
+  schedule: str
+  transfer_time: float
+  step_time: float
+  busy: tuple[float, ...]  # Per stage: time spent running ops.
+  peak_activation_bytes: tuple[float, ...]  # Per stage.
+  events: tuple[Event, ...]  # Sorted by start time.
+
+  @property
+  def num_stages(self) -> int:
+    return len(self.stages)
+
+  @property
+  def idle(self) -> tuple[float, ...]:
+    return tuple(self.step_time - b for b in self.busy)
+
+  @property
+  def bubble_fraction(self) -> float:
+    """1 - Σ busy / (K × step time): the share of device time spent idle."""
+    if self.step_time == 0:
+      return 0.0
+    return 1.0 - sum(self.busy) / (self.num_stages * self.step_time)
+
+  @property
+  def analytic_bubble_fraction(self) -> float:
+    """(K-1)/(M+K-1): GPipe's bubble for equal stages and free transfers."""
+    return partitioner.bubble_fraction(self.num_stages, self.num_micro_batches)
+
+  @property
+  def single_device_time(self) -> float:
+    """The same ops back to back on one device."""
+    return sum(self.busy)
+
+  @property
+  def speedup_vs_single_device(self) -> float:
+    if self.step_time == 0:
+      return float(self.num_stages)
+    return self.single_device_time / self.step_time
+
+  def to_text(self, time_unit: str = 'seconds') -> str:
+    """A table, one row per stage, then step time, bubble and speed-up."""
+
+    def t(x: float) -> str:
+      return format_quantity(x, time_unit)
+
+    header = ['stage', 'forward', 'backward', 'recompute', 'busy', 'idle',
+              'busy %', 'peak act. mem', 'params']
+    rows = []
+    for k, s in enumerate(self.stages):
+      has_r = any(e.kind == 'R' for e in self.events if e.stage == k)
+      busy_share = self.busy[k] / self.step_time if self.step_time else 1.0
+      rows.append([
+          str(k), t(s.time('F')), t(s.time('B')),
+          t(s.time('R')) if has_r else '-', t(self.busy[k]), t(self.idle[k]),
+          f'{100 * busy_share:.1f}%',
+          format_quantity(self.peak_activation_bytes[k], 'bytes'),
+          format_quantity(s.param_bytes, 'bytes')])
+    k, m = self.num_stages, self.num_micro_batches
+    return '\n'.join([
+        f'schedule={self.schedule}, recompute={self.recompute}, K={k}, M={m}, '
+        f'transfer_time={t(self.transfer_time)} (forward, backward, recompute: '
+        'per micro-batch; busy, idle: per step)',
+        partitioner.format_table(header, rows, 'r' + 'r' * 8),
+        f'step time: {t(self.step_time)}',
+        f'bubble fraction: {100 * self.bubble_fraction:.1f}% simulated, '
+        f'{100 * self.analytic_bubble_fraction:.1f}% analytic (K-1)/(M+K-1)',
+        f'predicted speed-up vs one device: '
+        f'{self.speedup_vs_single_device:.2f}× (ideal {k}×)'])
+
+
+def simulate(stages: Sequence[StageCost], num_micro_batches: int,
+             recompute: str = 'always', schedule: str = 'gpipe',
+             transfer_time: float = 0.0) -> SimResult:
+  """Replays one training step of a K-stage, M-micro-batch pipeline.
+
+  Args:
+    stages: one StageCost per stage (K = len(stages)).
+    num_micro_batches: M.
+    recompute: 'always', 'except_last' or 'never' (see `schedule.py`).
+    schedule: 'gpipe' or '1f1b'.
+    transfer_time: per micro-batch stage-to-stage transfer time.
+
+  Returns:
+    A SimResult.
+
+  Raises:
+    SimulationError: bad stages or settings.
+  """
+  if not stages or not all(isinstance(s, StageCost) for s in stages):
+    raise SimulationError(f'stages must be a non-empty list of StageCost, got '
+                          f'{stages!r}.')
+  _check_amount('transfer_time', transfer_time)
+  try:
+    ops = schedule_lib.make_schedule(schedule, len(stages), num_micro_batches,
+                                     recompute)
+  except schedule_lib.ScheduleError as e:
+    raise SimulationError(str(e)) from e
+  times = schedule_lib.run_times(
+      ops, lambda k, op: stages[k].time(op.kind), transfer_time)
+  events = sorted(
+      (Event(k, op.micro_batch, op.kind, start, end)
+       for k, stage_ops in enumerate(ops)
+       for op, (start, end) in zip(stage_ops, times[k])),
+      key=lambda e: (e.start, e.stage))
+  step_time = max((e.end for e in events), default=0.0)
+  busy = tuple(math.fsum(e.end - e.start for e in events if e.stage == k)
+               for k in range(len(stages)))
+  peaks = tuple(_peak_memory(stages[k], [e for e in events if e.stage == k])
+                for k in range(len(stages)))
+  return SimResult(tuple(stages), num_micro_batches, recompute, schedule,
+                   float(transfer_time), step_time, busy, peaks, tuple(events))
+
+
+def _peak_memory(cost: StageCost, events: list[Event]) -> float:
+  """The most bytes one stage holds at once (see the module docstring)."""
+  when = {(e.kind, e.micro_batch): e for e in events}
+  recomputes = any(e.kind == 'R' for e in events)
+  changes = []  # (time, bytes); frees sort before allocations at equal times.
+  for (kind, m), e in when.items():
+    if kind != 'B':
+      continue
+    start = when[('F', m)].start
+    if recomputes:
+      changes += [(start, cost.boundary_bytes), (e.end, -cost.boundary_bytes),
+                  (when[('R', m)].start, cost.activation_bytes),
+                  (e.end, -cost.activation_bytes)]
+    else:
+      held = cost.boundary_bytes + cost.activation_bytes
+      changes += [(start, held), (e.end, -held)]
+  peak = current = 0.0
+  for _, delta in sorted(changes):
+    current += delta
+    peak = max(peak, current)
+  return peak
+
+
+def stage_costs_from_layers(
+    layer_flops: Sequence[float], layer_out_bytes: Sequence[float],
+    layer_param_bytes: Sequence[float], input_bytes: float,
+    boundaries: Sequence[int], num_micro_batches: int,
+    flops_per_second: float, backward_ratio: float = 2.0) -> list[StageCost]:
+  """Per-stage costs of one micro-batch from batch-level per-layer numbers.
+
+  Args:
+    layer_flops: forward flops of each layer for the whole batch.
+    layer_out_bytes: bytes of each layer's output for the whole batch.
+    layer_param_bytes: bytes of each layer's parameters.
+    input_bytes: bytes of the model's input for the whole batch.
+    boundaries: [0, b1, ..., L] as returned by `partitioner.partition`.
+    num_micro_batches: M; flops and activation bytes are divided by it.
+    flops_per_second: throughput of one device.
+    backward_ratio: backward time / forward time.
+
+  Returns:
+    One StageCost per stage: forward = flops / M / flops_per_second,
+    activation_bytes = Σ out_bytes of its layers / M, boundary_bytes = the
+    previous stage's last output (or the input) / M, param_bytes = Σ.
+
+  Raises:
+    SimulationError: mismatched lengths or bad numbers.
+  """
+  num_layers = len(layer_flops)
+  if not len(layer_out_bytes) == len(layer_param_bytes) == num_layers:
+    raise SimulationError(
+        f'layer_flops, layer_out_bytes and layer_param_bytes need one entry '
+        f'per layer; got {num_layers}, {len(layer_out_bytes)} and '
+        f'{len(layer_param_bytes)}.')
+  for name, value in (('input_bytes', input_bytes),
+                      ('backward_ratio', backward_ratio)):
+    _check_amount(name, value)
+  _check_amount('flops_per_second', flops_per_second, allow_zero=False)
+  if (isinstance(num_micro_batches, bool) or
+      not isinstance(num_micro_batches, int) or num_micro_batches < 1):
+    raise SimulationError(f'num_micro_batches must be an int ≥ 1, got '
+                          f'{num_micro_batches!r}.')
+  try:
+    bounds = partitioner.check_boundaries(boundaries, num_layers)
+  except partitioner.PartitionError as e:
+    raise SimulationError(str(e)) from e
+  m, out = num_micro_batches, []
+  for k in range(len(bounds) - 1):
+    a, b = bounds[k], bounds[k + 1]
+    forward = math.fsum(layer_flops[a:b]) / m / flops_per_second
+    out.append(StageCost(
+        forward=forward, backward=backward_ratio * forward,
+        boundary_bytes=(input_bytes if a == 0 else layer_out_bytes[a - 1]) / m,
+        activation_bytes=math.fsum(layer_out_bytes[a:b]) / m,
+        param_bytes=float(math.fsum(layer_param_bytes[a:b]))))
+  return out
