@@ -1,0 +1,1 @@
+"""Image classification tasks (Fashion-MNIST)."""
