@@ -336,13 +336,18 @@ class BaseLayer(tf.Module):
     return child
 
   def CreateChildren(self, name: str,
-                     params_list: Sequence[InstantiableParams]
+                     params_list: Sequence[InstantiableParams],
+                     devices: Sequence[str | None] | None = None
                     ) -> list['BaseLayer']:
-    """Builds a list of children; theta.name is the list of their thetas."""
+    """Builds a list of children; theta.name is the list of their thetas.
+
+    `devices[i]`, if given, is where child i's variables are created.
+    """
     self._CheckNewName(name)
     children = []
     for i, params in enumerate(params_list):
-      with self._Building(f'{name}[{i}]'):
+      device = devices[i] if devices is not None else None
+      with self._Building(f'{name}[{i}]'), tf.device(device):
         child = self._ChildParams(f'{name}_{i}', params).Instantiate()
       self._track_trackable(child, name=f'{name}_{i}')
       children.append(child)

@@ -9,6 +9,10 @@ through every signature:
   derives its mask from them (plus the layer path), so the recompute pass of
   the pipeline draws exactly the forward pass's mask, and the mask of an
   example does not depend on how the batch was cut into micro-batches.
+* `timeline` — if a list, the pipeline appends one
+  `(stage, micro_batch, kind, start, end)` record per forward ('F'),
+  recompute ('R') and backward ('B'), with `tf.timestamp()` tensors that the
+  caller returns from its step function (see `lingvo_pipe.core.timeline`).
 * `stats` — a collector for sufficient statistics (BatchNorm's count, sum,
   sum of squares). Layers add to it; the pipeline sums it over micro-batches
   and the task folds it into moving averages once per step. A recompute pass
@@ -58,6 +62,7 @@ class FPropContext:
   num_micro_batches: int = 1
   batch_dim: int = 0
   stats: StatsCollector | None = None
+  timeline: list[Any] | None = None
 
 
 _LOCAL = threading.local()

@@ -1,0 +1,156 @@
+"""Stages in separate TF worker processes on this host (or on others).
+
+Logical CPU devices of one process share one thread pool, so on a CPU host
+they isolate placement but not compute: to measure (or get) real stage
+parallelism, each stage must run in its own process. `LocalCluster` starts K
+`tf.distribute.Server` workers on 127.0.0.1, each pinned to its own cores
+with single-threaded pools, connects this process to them as a client, and
+hands back the device strings for `PipeliningLayer.Params().devices`:
+
+    with cluster.LocalCluster(num_workers=2) as c:
+      p.devices = c.devices          # ['/job:worker/replica:0/task:0/...']
+      net = p.Instantiate()          # variables live on the workers
+
+Workers on other hosts work the same way: connect with
+`tf.config.experimental_connect_to_cluster` to their ClusterSpec and list the
+'/job:worker/task:k/device:...' strings in `p.devices`.
+
+Every process started here is stopped by PID in `Stop()` (also on exit).
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from typing import Sequence
+
+_JOB = 'worker'
+
+
+def _FreePort() -> int:
+  with socket.socket() as s:
+    s.bind(('127.0.0.1', 0))
+    return s.getsockname()[1]
+
+
+class ClusterError(RuntimeError):
+  """A worker failed to start; the message includes its log."""
+
+
+class LocalCluster:
+  """K single-core TF worker processes on 127.0.0.1, one per stage."""
+
+  def __init__(self, num_workers: int,
+               cores: Sequence[Sequence[int]] | None = None,
+               threads_per_worker: int = 1,
+               connect: bool = True) -> None:
+    """Args:
+      num_workers: K, one per pipeline stage.
+      cores: CPU ids each worker is pinned to; default worker k → core
+        k mod (#cores).
+      threads_per_worker: intra-op threads of each worker.
+      connect: connect this process to the cluster as its client.
+    """
+    ncpu = os.cpu_count() or 1
+    self._cores = [list(c) for c in cores] if cores else [
+        [k % ncpu] for k in range(num_workers)]
+    self._threads = threads_per_worker
+    self._connect = connect
+    self._addrs = [f'127.0.0.1:{_FreePort()}' for _ in range(num_workers)]
+    self._procs: list[subprocess.Popen[bytes]] = []
+    self._logs: list[str] = []
+
+  @property
+  def devices(self) -> list[str]:
+    return [f'/job:{_JOB}/replica:0/task:{k}/device:CPU:0'
+            for k in range(len(self._addrs))]
+
+  @property
+  def pids(self) -> list[int]:
+    return [p.pid for p in self._procs]
+
+  def Start(self) -> 'LocalCluster':
+    spec = json.dumps({_JOB: self._addrs})
+    for k, cores in enumerate(self._cores):
+      log = f'/tmp/lingvo_pipe_worker_{os.getpid()}_{k}.log'
+      self._logs.append(log)
+      env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL='2',
+                 CUDA_VISIBLE_DEVICES='')
+      cmd = [sys.executable, '-m', 'lingvo_pipe.core.cluster', spec, str(k),
+             str(self._threads), ','.join(map(str, cores))]
+      with open(log, 'wb') as f:
+        self._procs.append(subprocess.Popen(cmd, stdout=f,
+                                            stderr=subprocess.STDOUT,
+                                            env=env))
+    atexit.register(self.Stop)
+    self._WaitReady()
+    if self._connect:
+      import tensorflow as tf  # Late: workers must not pay for it twice.
+      tf.config.experimental_connect_to_cluster(
+          tf.train.ClusterSpec({_JOB: self._addrs}),
+          make_master_device_default=False)
+    return self
+
+  def _WaitReady(self, timeout_s: float = 120.0) -> None:
+    deadline = time.time() + timeout_s
+    for k, addr in enumerate(self._addrs):
+      host, port = addr.split(':')
+      while True:
+        if self._procs[k].poll() is not None:
+          self.Stop()
+          raise ClusterError(f'Worker {k} exited: ' +
+                             open(self._logs[k]).read()[-2000:])
+        try:
+          with socket.create_connection((host, int(port)), timeout=1):
+            break
+        except OSError:
+          if time.time() > deadline:
+            self.Stop()
+            raise ClusterError(f'Worker {k} at {addr} did not start in '
+                               f'{timeout_s:.0f} s.') from None
+          time.sleep(0.2)
+
+  def Stop(self) -> None:
+    """Stops every worker process by PID (idempotent)."""
+    for proc in self._procs:
+      if proc.poll() is None:
+        proc.kill()
+    for proc in self._procs:
+      try:
+        proc.wait(timeout=10)
+      except subprocess.TimeoutExpired:
+        pass
+    self._procs = []
+    for log in self._logs:
+      if os.path.exists(log):
+        os.remove(log)
+    self._logs = []
+
+  def __enter__(self) -> 'LocalCluster':
+    return self.Start()
+
+  def __exit__(self, *exc: object) -> None:
+    self.Stop()
+
+
+def _Serve(spec: str, task: int, threads: int, cores: str) -> None:
+  """Worker process body: pin, start a server, serve forever."""
+  if cores:
+    os.sched_setaffinity(0, {int(c) for c in cores.split(',')})
+  import tensorflow as tf
+  config = tf.compat.v1.ConfigProto(
+      intra_op_parallelism_threads=threads,
+      inter_op_parallelism_threads=threads)
+  server = tf.distribute.Server(
+      tf.train.ClusterSpec(json.loads(spec)), job_name=_JOB,
+      task_index=task, config=config, start=True)
+  server.join()
+
+
+if __name__ == '__main__':
+  _Serve(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])

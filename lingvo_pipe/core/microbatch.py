@@ -1,0 +1,100 @@
+"""Cutting a mini-batch into micro-batches and gluing outputs back.
+
+Activations crossing a stage boundary may be any nest of tensors (a
+Transformer's (x, paddings), a skip tensor carried past several layers);
+every leaf must carry the batch on `batch_dim`. The split is a plain slice,
+so example i of the mini-batch is example i mod n of micro-batch i // n
+(n = N / M), the order the dropout masks and the loss rely on.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import tensorflow as tf
+
+
+class MicroBatchError(ValueError):
+  """The batch cannot be split as asked; the message names the fix."""
+
+
+def BatchSize(inputs: Any, batch_dim: int, where: str) -> int | tf.Tensor:
+  """The common batch size of every leaf of `inputs` (static if known)."""
+  leaves = tf.nest.flatten(inputs)
+  if not leaves:
+    raise MicroBatchError(f'{where}: the pipeline got no input tensors.')
+  sizes = set()
+  for i, leaf in enumerate(leaves):
+    if leaf.shape.rank is not None and leaf.shape.rank <= batch_dim:
+      raise MicroBatchError(
+          f'{where}: input leaf {i} has shape {leaf.shape}, which has no '
+          f'batch dimension {batch_dim}. Every tensor that crosses a '
+          'pipeline boundary must carry the batch; set p.batch_dim or '
+          'broadcast the tensor over the batch.')
+    sizes.add(leaf.shape[batch_dim])
+  static = {s for s in sizes if s is not None}
+  if len(static) > 1:
+    raise MicroBatchError(
+        f'{where}: input leaves disagree on the batch size along dim '
+        f'{batch_dim}: {sorted(static)}.')
+  if static and None not in sizes:
+    return static.pop()
+  return tf.shape(leaves[0])[batch_dim]
+
+
+def NumMicroBatches(batch_size: int | tf.Tensor, num_micro_batches: int,
+                    micro_batch_size: int | None, where: str) -> int:
+  """M from the params, checked against the batch size N."""
+  if micro_batch_size:
+    if not isinstance(batch_size, int):
+      raise MicroBatchError(
+          f'{where}: micro_batch_size={micro_batch_size} needs a static batch '
+          'size; set num_micro_batches instead.')
+    if batch_size % micro_batch_size:
+      raise MicroBatchError(
+          f'{where}: batch size {batch_size} is not a multiple of '
+          f'micro_batch_size={micro_batch_size}; use a batch size that is, '
+          'or set num_micro_batches.')
+    return batch_size // micro_batch_size
+  m = num_micro_batches
+  if m < 1:
+    raise MicroBatchError(f'{where}: num_micro_batches must be ≥ 1, got {m}.')
+  if isinstance(batch_size, int):
+    if m > batch_size:
+      raise MicroBatchError(
+          f'{where}: num_micro_batches={m} exceeds the batch size '
+          f'{batch_size}; use num_micro_batches ≤ {batch_size}.')
+    if batch_size % m:
+      divisors = [d for d in range(1, batch_size + 1) if batch_size % d == 0]
+      near = min(divisors, key=lambda d: abs(d - m))
+      raise MicroBatchError(
+          f'{where}: batch size {batch_size} is not divisible by '
+          f'num_micro_batches={m}; use e.g. num_micro_batches={near} or a '
+          f'batch size that is a multiple of {m}.')
+  return m
+
+
+def Split(inputs: Any, num_micro_batches: int, batch_dim: int) -> list[Any]:
+  """[N, ...] leaves → a list of M nests of [N/M, ...] leaves."""
+  if num_micro_batches == 1:
+    return [inputs]
+  leaves = tf.nest.flatten(inputs)
+  pieces = [tf.split(x, num_micro_batches, axis=batch_dim) for x in leaves]
+  return [tf.nest.pack_sequence_as(inputs, [p[m] for p in pieces])
+          for m in range(num_micro_batches)]
+
+
+def Concat(micro_outputs: list[Any], batch_dim: int) -> Any:
+  """Inverse of `Split`: a list of M nests → one nest of [N, ...] leaves."""
+  if len(micro_outputs) == 1:
+    return micro_outputs[0]
+  flat = [tf.nest.flatten(o) for o in micro_outputs]
+  for i, leaf in enumerate(flat[0]):
+    if leaf.shape.rank == 0:
+      raise MicroBatchError(
+          f'Pipeline output leaf {i} is a scalar, so micro-batch outputs '
+          'cannot be concatenated. Keep the batch dimension in the last '
+          'stage (e.g. return per-example losses and reduce them outside '
+          'the pipeline).')
+  joined = [tf.concat(list(parts), axis=batch_dim) for parts in zip(*flat)]
+  return tf.nest.pack_sequence_as(micro_outputs[0], joined)

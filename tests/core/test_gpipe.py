@@ -1,0 +1,305 @@
+"""Transparency: the pipelined model trains exactly like the unpipelined one.
+
+The reference runs the very same layer objects one after another under a
+plain `tf.GradientTape`, one micro-batch at a time, with gradients summed —
+no partitioner, no custom gradient, no recompute. Pipelined loss, outputs,
+gradients and BatchNorm statistics must match it for every K, M and
+recompute policy (float32, 1e-5 relative).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from lingvo_pipe.core import base_layer
+from lingvo_pipe.core import fprop_context
+from lingvo_pipe.core import gpipe
+from lingvo_pipe.core.nested_map import NestedMap
+from lingvo_pipe.layers import conv
+from lingvo_pipe.layers import dropout
+from lingvo_pipe.layers import linear
+from lingvo_pipe.layers import normalization
+from lingvo_pipe.layers import pooling
+from lingvo_pipe.layers import shape
+from lingvo_pipe.layers import transformer
+
+DEVICES = [f'/device:CPU:{k}' for k in range(4)]
+BATCH = 8
+POLICIES = ('always', 'except_last', 'never')
+
+
+def _ConvBnStack() -> tuple[list, list, callable]:
+  """Conv → BN → Conv → BN → pool → flatten → FC (with dropout)."""
+  layers = [
+      conv.Conv2DLayer.Params().Set(name='c0', filter_shape=(3, 3, 2, 4),
+                                    activation='RELU'),
+      normalization.BatchNormLayer.Params().Set(name='bn0', dim=4),
+      conv.Conv2DLayer.Params().Set(name='c1', filter_shape=(3, 3, 4, 4),
+                                    filter_stride=(2, 2)),
+      normalization.BatchNormLayer.Params().Set(name='bn1', dim=4),
+      pooling.PoolingLayer.Params().Set(name='pool'),
+      shape.FlattenLayer.Params().Set(name='flat'),
+      dropout.DropoutLayer.Params().Set(name='drop', dropout_rate=0.3),
+      linear.FCLayer.Params().Set(name='fc', input_dim=16, output_dim=3),
+  ]
+  shapes = [[BATCH, 8, 8, 2]]
+
+  def _Inputs(rng):
+    return (tf.constant(rng.randn(BATCH, 8, 8, 2).astype(np.float32)),)
+  return layers, shapes, _Inputs
+
+
+def _TransformerStack() -> tuple[list, list, callable]:
+  """Four pre-LN encoder layers carrying (x, paddings) between stages."""
+  layers = [transformer.TransformerEncoderLayer.Params().Set(
+      name=f'enc{i}', input_dim=8, num_heads=2, hidden_dim=16,
+      residual_dropout_prob=0.1) for i in range(4)]
+  shapes = [[BATCH, 5, 8], [BATCH, 5]]
+
+  def _Inputs(rng):
+    x = tf.constant(rng.randn(BATCH, 5, 8).astype(np.float32))
+    lengths = rng.randint(1, 6, size=BATCH)
+    paddings = (np.arange(5)[None, :] >= lengths[:, None]).astype(np.float32)
+    return x, tf.constant(paddings)
+  return layers, shapes, _Inputs
+
+
+class _Fork(base_layer.BaseLayer):
+  """x → NestedMap(x=fc(x), skip=x): a skip tensor that crosses stages."""
+
+  @classmethod
+  def Params(cls):
+    p = super().Params()
+    p.Define('dim', 4, 'Depth.')
+    return p
+
+  def __init__(self, params):
+    super().__init__(params)
+    self.CreateChild('fc', linear.FCLayer.Params().Set(
+        input_dim=self.params.dim, output_dim=self.params.dim,
+        activation='TANH'))
+
+  def FProp(self, theta, x):
+    return NestedMap(x=self.children.fc.FProp(theta.fc, x), skip=x)
+
+  @classmethod
+  def FPropMeta(cls, p, x):
+    return base_layer.LayerMeta.Build(
+        p, flops=2 * x.num_elements() * p.dim, out_shapes=(
+            NestedMap(x=x, skip=x),), num_params=p.dim * p.dim + p.dim)
+
+
+class _Carry(_Fork):
+  """NestedMap(x, skip) → NestedMap(fc(x), skip): passes the skip on."""
+
+  def FProp(self, theta, m):
+    return NestedMap(x=self.children.fc.FProp(theta.fc, m.x), skip=m.skip)
+
+  @classmethod
+  def FPropMeta(cls, p, m):
+    return base_layer.LayerMeta.Build(
+        p, flops=2 * m.x.num_elements() * p.dim, out_shapes=(m,),
+        num_params=p.dim * p.dim + p.dim)
+
+
+class _Join(_Fork):
+  """NestedMap(x, skip) → fc(x) + skip."""
+
+  def FProp(self, theta, m):
+    return self.children.fc.FProp(theta.fc, m.x) + m.skip
+
+  @classmethod
+  def FPropMeta(cls, p, m):
+    return base_layer.LayerMeta.Build(
+        p, flops=2 * m.x.num_elements() * p.dim, out_shapes=(m.x,),
+        num_params=p.dim * p.dim + p.dim)
+
+
+def _NestedStack() -> tuple[list, list, callable]:
+  layers = ([_Fork.Params().Set(name='fork')] +
+            [_Carry.Params().Set(name=f'carry{i}') for i in range(4)] +
+            [_Join.Params().Set(name='join')])
+
+  def _Inputs(rng):
+    return (tf.constant(rng.randn(BATCH, 4).astype(np.float32)),)
+  return layers, [[BATCH, 4]], _Inputs
+
+
+MODELS = {'conv_bn': _ConvBnStack, 'transformer': _TransformerStack,
+          'nested': _NestedStack}
+
+
+def _Net(model: str, **kw) -> tuple[gpipe.PipeliningLayer, tuple]:
+  layers, shapes, make_inputs = MODELS[model]()
+  p = gpipe.PipeliningLayer.Params().Set(
+      name='net', layers=layers, input_shapes=shapes, devices=DEVICES, **kw)
+  return p.Instantiate(), make_inputs(np.random.RandomState(1))
+
+
+def _Loss(out) -> tf.Tensor:
+  x = out[0] if isinstance(out, tuple) else out
+  w = tf.cast(tf.range(tf.size(x[0])) % 5 - 2, x.dtype)  # Fixed projection.
+  per_example = tf.reduce_sum(tf.reshape(x, [BATCH, -1]) * w, 1) + tf.reduce_sum(
+      tf.reshape(x, [BATCH, -1])**2, 1)
+  return tf.reduce_sum(per_example) / BATCH
+
+
+def _Pipelined(net, inputs, step=7):
+  collector = fprop_context.StatsCollector()
+  with tf.GradientTape() as tape:
+    with fprop_context.Scope(training=True, step=step, stats=collector):
+      out = net.FProp(net.theta, *inputs)
+    loss = _Loss(out)
+  grads = tape.gradient(loss, net.theta)
+  return loss, out, grads, collector.stats
+
+
+def _Reference(net, inputs, num_micro_batches, step=7):
+  """Plain autodiff over the same layers, micro-batch by micro-batch."""
+  collector = fprop_context.StatsCollector()
+  m = num_micro_batches
+  micro = [tf.split(x, m) for x in inputs]
+  outs = []
+  with tf.GradientTape() as tape:
+    for i in range(m):
+      x = tuple(parts[i] for parts in micro)
+      with fprop_context.Scope(training=True, step=step, micro_batch_index=i,
+                               num_micro_batches=m, stats=collector):
+        for layer, theta in zip(net.children.layers, net.theta.layers):
+          out = layer.FProp(theta, *x)
+          x = out if isinstance(out, tuple) else (out,)
+      outs.append(x)
+    out = tuple(tf.concat(list(parts), 0) for parts in zip(*outs))
+    out = out[0] if len(out) == 1 else out
+    loss = _Loss(out)
+  return loss, out, tape.gradient(loss, net.theta), collector.stats
+
+
+def _MaxRelDiff(a, b) -> float:
+  """Largest leaf-wise max|a−b| / max|b|.
+
+  A leaf whose true gradient is zero (e.g. an attention key bias, which
+  softmax cancels) holds only rounding noise, so each leaf's scale is
+  floored at 1e-3 of the largest leaf's.
+  """
+  pairs = [(np.asarray(x, np.float64), np.asarray(y, np.float64))
+           for x, y in zip(tf.nest.flatten(a), tf.nest.flatten(b))]
+  top = max((np.max(np.abs(y)) for _, y in pairs), default=0.0)
+  worst = 0.0
+  for x, y in pairs:
+    scale = max(np.max(np.abs(y)), 1e-3 * top, 1e-12)
+    worst = max(worst, np.max(np.abs(x - y)) / scale)
+  return worst
+
+
+CASES = [(model, k, m, r) for model in MODELS
+         for k, m, r in itertools.product((1, 2, 4), (1, 2, 4, 8), POLICIES)]
+
+
+@pytest.mark.parametrize('model,num_stages,num_micro_batches,recompute', CASES)
+def test_pipelined_equals_unpipelined(model, num_stages, num_micro_batches,
+                                      recompute):
+  net, inputs = _Net(model, num_stages=num_stages,
+                     num_micro_batches=num_micro_batches, recompute=recompute)
+  got = tf.function(lambda: _Pipelined(net, inputs))()
+  want = _Reference(net, inputs, num_micro_batches)
+  for name, i in (('loss', 0), ('outputs', 1), ('gradients', 2)):
+    assert _MaxRelDiff(got[i], want[i]) < 1e-5, name
+  assert sorted(got[3]) == sorted(want[3])
+  assert _MaxRelDiff([got[3][k] for k in sorted(got[3])],
+                     [want[3][k] for k in sorted(want[3])]) < 1e-5
+
+
+def test_batch_norm_counts_every_example_once():
+  net, inputs = _Net('conv_bn', num_stages=4, num_micro_batches=4)
+  stats = tf.function(lambda: _Pipelined(net, inputs)[3])()
+  assert sorted(stats) == ['net.layers[1]', 'net.layers[3]']
+  # bn0 sees 8×8 positions of every example, bn1 4×4 (after stride 2).
+  assert float(stats['net.layers[1]'].count) == BATCH * 8 * 8
+  assert float(stats['net.layers[3]'].count) == BATCH * 4 * 4
+
+
+def test_dropout_mask_is_the_same_in_forward_and_recompute():
+  # With rate 0.3 in front of the FC, a recompute that redrew the mask would
+  # give the FC weight a gradient of a different function than the loss.
+  net, inputs = _Net('conv_bn', num_stages=2, num_micro_batches=2,
+                     recompute='always')
+  got = tf.function(lambda: _Pipelined(net, inputs, step=3))()
+  want = _Reference(net, inputs, 2, step=3)
+  assert _MaxRelDiff(got[2], want[2]) < 1e-5
+  other_step = _Reference(net, inputs, 2, step=4)
+  assert _MaxRelDiff(got[1], other_step[1]) > 1e-3  # Masks do change by step.
+
+
+def test_initial_weights_do_not_depend_on_stages_or_micro_batches():
+  nets = [_Net('transformer', num_stages=k, num_micro_batches=m)[0]
+          for k, m in ((1, 1), (2, 4), (4, 8))]
+  for other in nets[1:]:
+    assert _MaxRelDiff(other.theta, nets[0].theta) == 0.0
+
+
+def test_explicit_split_points_and_auto_partition():
+  net, _ = _Net('nested', num_stages=3, split_points=[1, 5])
+  assert net.boundaries == [0, 1, 5, 6]
+  auto, _ = _Net('nested', num_stages=3)
+  assert auto.boundaries[0] == 0 and auto.boundaries[-1] == 6
+  assert len(auto.report.stages) == 3
+  # Variables live on their stage's device.
+  assert 'CPU:1' in net.theta.layers[1].fc.w.device
+  assert 'CPU:2' in net.theta.layers[5].fc.w.device
+
+
+def test_inference_runs_whole_batch_stage_by_stage():
+  net, inputs = _Net('transformer', num_stages=2, num_micro_batches=4)
+  out = net.FProp(net.theta, *inputs)
+  x = inputs
+  for layer, theta in zip(net.children.layers, net.theta.layers):
+    x = layer.FProp(theta, *x)
+  assert _MaxRelDiff(out, x) == 0.0
+
+
+@pytest.mark.parametrize('kw,match', [
+    (dict(num_stages=2, num_micro_batches=3), 'not divisible by'),
+    (dict(num_stages=2, num_micro_batches=16), 'exceeds the batch size'),
+])
+def test_bad_micro_batching_is_named(kw, match):
+  net, inputs = _Net('nested', **kw)
+  with pytest.raises(ValueError, match=match):
+    _Pipelined(net, inputs)
+
+
+def test_bad_stage_and_device_counts_are_named():
+  with pytest.raises(ValueError, match='num_stages=7 but there are 6 layers'):
+    _Net('nested', num_stages=7)
+  layers, shapes, _ = _NestedStack()
+  p = gpipe.PipeliningLayer.Params().Set(
+      name='net', layers=layers, input_shapes=shapes, num_stages=3,
+      devices=DEVICES[:2])
+  with pytest.raises(ValueError, match='3 stages but only 2 devices'):
+    p.Instantiate()
+
+
+def test_shape_mismatch_between_layers_is_named():
+  layers = [linear.FCLayer.Params().Set(name='fc0', input_dim=4,
+                                        output_dim=4),
+            linear.FCLayer.Params().Set(name='fc1', input_dim=5,
+                                        output_dim=3)]
+  p = gpipe.PipeliningLayer.Params().Set(
+      name='net', layers=layers, input_shapes=[[BATCH, 4]], num_stages=2,
+      devices=DEVICES)
+  with pytest.raises(ValueError, match=r'net.layers\[1\] \(FCLayer'):
+    p.Instantiate()
+
+
+def test_fprop_meta_of_whole_pipeline_sums_layers():
+  layers, shapes, _ = _ConvBnStack()
+  p = gpipe.PipeliningLayer.Params().Set(name='net', layers=layers)
+  meta = gpipe.PipeliningLayer.FPropMeta(p, *base_layer.AsShape(shapes))
+  metas = gpipe.LayerMetas(layers, shapes)
+  assert meta.flops == sum(m.flops for m in metas)
+  assert meta.out_shapes == metas[-1].out_shapes
+  assert meta.out_shapes[0].as_list() == [BATCH, 3]
