@@ -14,12 +14,29 @@ quantity across micro-batches, so no rescaling is needed anywhere.
 A *model* is a `SingleTaskModelParams` subclass registered under `params/`:
 `Task()` gives the task's Params, `Train()` / `Dev()` / `Test()` the input
 generator Params of each split.
+
+Hooks the binaries call (override what a task needs):
+
+* `Summaries() -> dict[str, float]` — extra scalars the trainer writes to
+  TensorBoard beside the loss (pipeline tasks: partition imbalance, bubble
+  fraction). Called in Python, outside the train step.
+* `EvalStep(theta, batch) -> NestedMap` — what the evaler computes per batch
+  in inference mode (default: FProp's metrics). A translation task decodes
+  here and returns the hypotheses.
+* `CreateEvalAggregator()` — an object with `Update(batch, outputs)` (both
+  NestedMaps of numpy arrays, once per eval batch) and `Finalize() ->
+  dict[str, float]` (once per checkpoint). The default,
+  `WeightedMeanAggregator`, averages every `(value, weight)` metric over the
+  whole split exactly: Σ value·weight / Σ weight, not a mean of batch means
+  (the last eval batch may be smaller). Accuracy for images or BLEU over decoded sentences are
+  aggregators of their own.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
+import numpy as np
 import tensorflow as tf
 
 from lingvo_pipe.core import base_layer
@@ -49,7 +66,8 @@ def TrainParams() -> Params:
            'AmoebaNet recipe: 0.97 every 3 epochs).')
   p.Define('clip_gradient_norm', 0.0, 'Clip the global gradient norm to '
            'this value; 0 disables.')
-  p.Define('weight_decay', 0.0, 'L2 weight decay added to the loss.')
+  p.Define('weight_decay', 0.0, 'L2 weight decay: weight_decay·½·Σw² over '
+           'every trainable variable is added to the loss.')
   p.Define('max_steps', 1000, 'Training stops after this many steps.')
   p.Define('save_interval_steps', 100, 'Checkpoint every this many steps.')
   p.Define('max_checkpoints_to_keep', 5, 'Older checkpoints are deleted.')
@@ -82,6 +100,58 @@ class BaseTask(base_layer.BaseLayer):
   def Inspect(self) -> str:
     """Text shown by `trainer --mode=inspect_params` (partition, schedule)."""
     return ''
+
+  def Summaries(self) -> dict[str, float]:
+    """Extra scalars for the trainer's TensorBoard summaries (default none)."""
+    return {}
+
+  def EvalStep(self, theta: NestedMap, batch: NestedMap) -> NestedMap:
+    """What the evaler computes per batch (inference mode): FProp's metrics."""
+    return NestedMap(self.FProp(theta, batch))
+
+  def CreateEvalAggregator(self) -> 'EvalAggregator':
+    """A fresh aggregator of `EvalStep` outputs over one eval pass."""
+    return WeightedMeanAggregator()
+
+
+class EvalAggregator(Protocol):
+  """Accumulates eval outputs over a split (see the module docstring)."""
+
+  def Update(self, batch: NestedMap, outputs: NestedMap) -> None:
+    ...
+
+  def Finalize(self) -> dict[str, float]:
+    ...
+
+
+class WeightedMeanAggregator:
+  """Exact weighted means of every `(value, weight)` entry of the outputs.
+
+  >>> agg = WeightedMeanAggregator()
+  >>> agg.Update(NestedMap(), NestedMap(loss=(np.float32(1.0), 3.0)))
+  >>> agg.Update(NestedMap(), NestedMap(loss=(np.float32(3.0), 1.0)))
+  >>> agg.Finalize()
+  {'loss': 1.5}
+
+  Entries that are not pairs (e.g. decoded ids) are ignored.
+  """
+
+  def __init__(self) -> None:
+    self._sums: dict[str, float] = {}
+    self._weights: dict[str, float] = {}
+
+  def Update(self, batch: NestedMap, outputs: NestedMap) -> None:
+    del batch  # The metrics already carry their weights.
+    for name, entry in outputs.items():
+      if not (isinstance(entry, (tuple, list)) and len(entry) == 2):
+        continue
+      value, weight = (float(np.asarray(x, np.float64)) for x in entry)
+      self._sums[name] = self._sums.get(name, 0.0) + value * weight
+      self._weights[name] = self._weights.get(name, 0.0) + weight
+
+  def Finalize(self) -> dict[str, float]:
+    return {name: (self._sums[name] / w if w > 0 else float('nan'))
+            for name, w in self._weights.items()}
 
 
 class SingleTaskModelParams:

@@ -1,0 +1,201 @@
+"""What the trainer and evaler binaries share: params, logdirs, user errors.
+
+A user who mistypes a model name or an override should get one line that
+names the problem and the fix, exit status 2, and an untouched logdir, not a
+TensorFlow traceback. So the binaries validate everything (params, data,
+logdir, the model itself) before they create anything, and user errors are
+the named exceptions listed in `USER_ERRORS`, turned into that one line by
+`ExitOnUserError`. Anything else is a bug and keeps its traceback.
+
+TensorFlow prints start-up banners on stderr before its logging is
+configured (oneDNN notices, CPU feature lines); `ImportTensorFlowQuietly`
+swallows exactly those so the one line is not buried.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import sys
+import tempfile
+from typing import Iterator
+
+_BANNER = re.compile(
+    r'^([IW]\d{4} |WARNING: All log messages before absl::InitializeLog|'
+    r'To enable the following instructions|E\d{4} .*(Unable to register|'
+    r'already been registered))')
+
+
+def ImportTensorFlowQuietly() -> None:
+  """Imports TensorFlow with its start-up banner removed from stderr."""
+  if 'tensorflow' in sys.modules:
+    return
+  os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
+  sys.stderr.flush()
+  saved = os.dup(2)
+  with tempfile.TemporaryFile() as captured:
+    os.dup2(captured.fileno(), 2)
+    try:
+      import tensorflow  # pylint: disable=g-import-not-at-top,unused-import
+    finally:
+      os.dup2(saved, 2)
+      os.close(saved)
+      captured.seek(0)
+      text = captured.read().decode('utf-8', 'replace')
+      kept = [line for line in text.splitlines() if not _BANNER.match(line)]
+      if kept:
+        sys.stderr.write('\n'.join(kept) + '\n')
+
+
+ImportTensorFlowQuietly()
+
+# pylint: disable=g-import-not-at-top,wrong-import-position
+import tensorflow as tf
+
+from lingvo_pipe.core import base_input_generator
+from lingvo_pipe.core import base_layer
+from lingvo_pipe.core import devices
+from lingvo_pipe.core import gpipe
+from lingvo_pipe.core import learning_rate
+from lingvo_pipe.core import model_registry
+from lingvo_pipe.core import optimizer
+from lingvo_pipe.core.hyperparams import Params, ParamsError
+# pylint: enable=g-import-not-at-top,wrong-import-position
+
+PARAMS_FILE = 'params.txt'
+
+
+class UserError(Exception):
+  """A bad flag or logdir; the message names the problem and the fix."""
+
+
+USER_ERRORS: tuple[type[Exception], ...] = (
+    UserError, ParamsError, model_registry.ModelRegistryError,
+    learning_rate.ScheduleError, optimizer.OptimizerError,
+    base_input_generator.DataUnavailableError,
+    base_input_generator.InputError, base_layer.LayerError,
+    devices.DeviceError, gpipe.PipelineError)
+
+
+@contextlib.contextmanager
+def ExitOnUserError(program: str) -> Iterator[None]:
+  """Turns a user error into one stderr line and exit status 2."""
+  try:
+    yield
+  except USER_ERRORS as e:
+    line = ' '.join(str(e).split()) or type(e).__name__
+    sys.stderr.flush()
+    sys.stderr.write(f'{program}: error: {line}\n')
+    sys.stderr.flush()
+    sys.exit(2)
+
+
+# ---- Params -----------------------------------------------------------------
+def ReadOverrideFile(path: str) -> str:
+  """The text of --model_params_file_override (`path : value` lines)."""
+  try:
+    with open(path, encoding='utf-8') as f:
+      return f.read()
+  except OSError as e:
+    raise UserError(f'Cannot read --model_params_file_override={path!r}: '
+                    f'{e.strerror}; pass a readable file of "path : value" '
+                    'lines.') from None
+
+
+def ApplyOverrides(params: Params, *texts: str) -> Params:
+  """Applies override texts in order; errors name the offending line."""
+  for text in texts:
+    if text:
+      params.FromText(text)
+  return params
+
+
+def ValidateTrainParams(params: Params) -> None:
+  """Checks `task.train` for values the trainer cannot run with."""
+  train = params.task.train
+  optimizer.Validate(train)
+  learning_rate.Validate(train)
+  for key in ('max_steps', 'save_interval_steps', 'max_checkpoints_to_keep',
+              'summary_interval_steps'):
+    if getattr(train, key) < 1:
+      raise UserError(f'task.train.{key} must be ≥ 1, got '
+                      f'{getattr(train, key)}; set it in an override.')
+  if train.clip_gradient_norm < 0 or train.weight_decay < 0:
+    raise UserError('task.train.clip_gradient_norm and weight_decay must be '
+                    f'≥ 0, got {train.clip_gradient_norm} and '
+                    f'{train.weight_decay}.')
+
+
+def SetDevices(params: Params, devices_flag: str) -> None:
+  """--devices=a,b: one device per pipeline stage (task.pipeline.devices)."""
+  if not devices_flag:
+    return
+  if 'pipeline' not in params.task or not isinstance(params.task.pipeline,
+                                                     Params):
+    raise UserError(f'--devices={devices_flag} needs a task with a pipeline '
+                    f'(task.pipeline), and {params.model} has none; drop '
+                    '--devices.')
+  params.task.pipeline.devices = [d.strip() for d in devices_flag.split(',')
+                                  if d.strip()]
+
+
+# ---- Logdir -----------------------------------------------------------------
+def CheckWritableDir(path: str, flag: str = '--logdir') -> None:
+  """Raises UserError unless `path` is, or can be created as, a writable dir.
+
+  Creates nothing.
+  """
+  if not path:
+    raise UserError(f'{flag} is empty; pass a directory to write into.')
+  target = os.path.abspath(path)
+  probe = target
+  while not os.path.exists(probe):
+    parent = os.path.dirname(probe)
+    if parent == probe:
+      break
+    probe = parent
+  if not os.path.isdir(probe):
+    raise UserError(f'{flag}={path!r} is not writable: {probe!r} is a file, '
+                    'not a directory; choose another path.')
+  if not os.access(probe, os.W_OK | os.X_OK):
+    raise UserError(f'{flag}={path!r} is not writable (no write permission '
+                    f'on {probe!r}); choose a directory you can write to.')
+
+
+def WriteFileAtomically(path: str, text: str) -> None:
+  """Writes `text` to `path` via a temp file and os.replace."""
+  directory = os.path.dirname(os.path.abspath(path))
+  fd, tmp = tempfile.mkstemp(dir=directory, prefix='.tmp-',
+                             suffix=os.path.basename(path))
+  try:
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; match open()'s mode.
+    with os.fdopen(fd, 'w', encoding='utf-8') as f:
+      f.write(text)
+      f.flush()
+      os.fsync(f.fileno())
+    os.replace(tmp, path)
+  except BaseException:
+    if os.path.exists(tmp):
+      os.remove(tmp)
+    raise
+
+
+def ParamsDiff(old_text: str, new: Params) -> str:
+  """`Params.TextDiff` of the logdir's params.txt against `new`."""
+  try:
+    old = new.Copy().FromText(old_text)
+    return old.TextDiff(new)
+  except (ParamsError, ValueError, ImportError, AttributeError):
+    old_lines = set(old_text.splitlines())
+    new_lines = set(new.ToText().splitlines())
+    return '\n'.join([f'- {l}' for l in old_text.splitlines()
+                      if l not in new_lines] +
+                     [f'+ {l}' for l in new.ToText().splitlines()
+                      if l not in old_lines])
+
+
+def SummaryWriter(logdir: str, name: str) -> tf.summary.SummaryWriter:
+  return tf.summary.create_file_writer(os.path.join(logdir, name))

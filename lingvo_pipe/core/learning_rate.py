@@ -1,0 +1,83 @@
+"""Learning-rate schedules: the learning rate as a pure function of the step.
+
+The rate depends on nothing but `task.train` and the global step, so a
+restarted trainer computes exactly the rate the uninterrupted one would have,
+and the schedule can be tested against a few lines of numpy.
+
+`step` is the number of updates already applied (0 for the first update).
+With `w = lr_warmup_steps` and `lr = learning_rate`, the rate of step s is
+
+    warm(s)     = min(1, (s + 1) / w)                   (1 when w = 0)
+    constant    = lr · warm(s)
+    exponential = lr · warm(s) · rate^floor(s / lr_decay_steps)
+    cosine      = lr · warm(s) · ½(1 + cos(π · clip((s − w) / (max_steps − w),
+                                                     0, 1)))
+    rsqrt       = lr · warm(s) · sqrt(max(w, 1) / max(s + 1, w, 1))
+
+so every schedule peaks at `lr` when the warm-up ends; rsqrt is the
+Transformer's "linear warm-up, then 1/√step" normalised to that peak.
+"""
+
+from __future__ import annotations
+
+import math
+
+import tensorflow as tf
+
+from lingvo_pipe.core.hyperparams import Params
+
+SCHEDULES = ('constant', 'exponential', 'cosine', 'rsqrt')
+
+
+class ScheduleError(ValueError):
+  """Training params that define no valid schedule."""
+
+
+def Validate(train: Params) -> None:
+  """Checks `task.train`'s schedule fields; raises ScheduleError naming one."""
+  if train.lr_schedule not in SCHEDULES:
+    raise ScheduleError(
+        f'task.train.lr_schedule is {train.lr_schedule!r}; use one of '
+        f'{", ".join(SCHEDULES)}.')
+  if train.lr_warmup_steps < 0:
+    raise ScheduleError(f'task.train.lr_warmup_steps must be ≥ 0, got '
+                        f'{train.lr_warmup_steps}.')
+  if train.lr_schedule == 'exponential' and train.lr_decay_steps <= 0:
+    raise ScheduleError(f'task.train.lr_decay_steps must be > 0 for the '
+                        f'exponential schedule, got {train.lr_decay_steps}.')
+  if (train.lr_schedule == 'cosine' and
+      train.max_steps <= train.lr_warmup_steps):
+    raise ScheduleError(
+        f'The cosine schedule decays from task.train.lr_warmup_steps '
+        f'({train.lr_warmup_steps}) to task.train.max_steps '
+        f'({train.max_steps}); make max_steps larger than the warm-up.')
+
+
+def LearningRate(train: Params, step: tf.Tensor | int) -> tf.Tensor:
+  """The learning rate (float32 scalar) of update number `step`.
+
+  Args:
+    train: `task.train` Params (see `base_model.TrainParams`).
+    step: Updates applied so far: a Python int or an integer scalar tensor.
+
+  Returns:
+    A float32 scalar tensor.
+  """
+  Validate(train)
+  s = tf.cast(step, tf.float32)
+  lr = tf.constant(train.learning_rate, tf.float32)
+  w = float(train.lr_warmup_steps)
+  warm = tf.minimum(1.0, (s + 1.0) / w) if w > 0 else tf.constant(1.0)
+  kind = train.lr_schedule
+  if kind == 'constant':
+    decay = tf.constant(1.0)
+  elif kind == 'exponential':
+    periods = tf.floor(s / float(train.lr_decay_steps))
+    decay = tf.pow(tf.constant(train.lr_decay_rate, tf.float32), periods)
+  elif kind == 'cosine':
+    frac = tf.clip_by_value((s - w) / (train.max_steps - w), 0.0, 1.0)
+    decay = 0.5 * (1.0 + tf.cos(math.pi * frac))
+  else:  # rsqrt
+    floor = max(w, 1.0)
+    decay = tf.sqrt(floor / tf.maximum(s + 1.0, floor))
+  return lr * warm * decay

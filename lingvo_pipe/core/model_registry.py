@@ -1,0 +1,152 @@
+"""The model registry: registered model names → composed model Params.
+
+A model is a `SingleTaskModelParams` subclass in a module under the top-level
+`params` package, registered with a decorator:
+
+    # params/image/fashion_mnist.py
+    @model_registry.RegisterSingleTaskModel
+    class AmoebaNetGPipe(base_model.SingleTaskModelParams):
+      ...
+
+Its name is the module path below `params` plus the class name,
+`image.fashion_mnist.AmoebaNetGPipe`, so the name says where the config
+lives. Looking a name up imports only `params.image.fashion_mnist` (a
+registry that imported every config up front would pay for, and break on,
+every unrelated model); listing the models imports them all.
+
+`GetParams(name, dataset)` composes what the binaries run, so a single
+override syntax reaches everything:
+
+    model : 'image.fashion_mnist.AmoebaNetGPipe'
+    task.train.learning_rate : 0.1
+    task.pipeline.num_micro_batches : 8
+    input.batch_size : 32
+
+The registry defines no flags: the binaries own their command lines.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import pkgutil
+
+from lingvo_pipe.core import base_model
+from lingvo_pipe.core.hyperparams import Params
+
+_PARAMS_PACKAGE = 'params'
+DATASETS = ('Train', 'Dev', 'Test')
+
+# Registered name → SingleTaskModelParams subclass.
+_MODELS: dict[str, type[base_model.SingleTaskModelParams]] = {}
+
+
+class ModelRegistryError(LookupError):
+  """An unknown or ill-formed model name, or a clash between two models."""
+
+
+def ModelName(cls: type) -> str:
+  """The registered name of `cls`: module path below `params.` + class name."""
+  module = cls.__module__
+  prefix = _PARAMS_PACKAGE + '.'
+  if module.startswith(prefix):
+    module = module[len(prefix):]
+  return f'{module}.{cls.__name__}'
+
+
+def RegisterSingleTaskModel(
+    cls: type[base_model.SingleTaskModelParams]
+) -> type[base_model.SingleTaskModelParams]:
+  """Class decorator: registers a model config under `ModelName(cls)`."""
+  if not (isinstance(cls, type) and
+          issubclass(cls, base_model.SingleTaskModelParams)):
+    raise ModelRegistryError(
+        f'RegisterSingleTaskModel got {cls!r}; decorate a subclass of '
+        'base_model.SingleTaskModelParams.')
+  name = ModelName(cls)
+  old = _MODELS.get(name)
+  if old is not None and old.__qualname__ != cls.__qualname__:
+    raise ModelRegistryError(
+        f'Model {name!r} is registered twice ({old!r} and {cls!r}); rename '
+        'one of the classes.')
+  _MODELS[name] = cls  # Re-registering on a module reload replaces it.
+  return cls
+
+
+def _ImportModule(name: str) -> None:
+  """Imports `params.<module part of name>` if it exists."""
+  module, _, _ = name.rpartition('.')
+  if not module or not all(p.isidentifier() for p in module.split('.')):
+    return
+  full = f'{_PARAMS_PACKAGE}.{module}'
+  try:
+    importlib.import_module(full)
+  except ModuleNotFoundError as e:
+    # Only a missing config module means "unknown name"; a config that fails
+    # to import one of *its* dependencies is a bug to show as it is.
+    missing = e.name or ''
+    if not (full == missing or full.startswith(missing + '.')):
+      raise
+
+
+def _ImportAll() -> None:
+  """Imports every module under the `params` package."""
+  try:
+    package = importlib.import_module(_PARAMS_PACKAGE)
+  except ModuleNotFoundError:
+    return
+  for info in pkgutil.walk_packages(package.__path__, _PARAMS_PACKAGE + '.'):
+    importlib.import_module(info.name)
+
+
+def ListModels() -> list[str]:
+  """Every registered model name (imports all of `params`), sorted."""
+  _ImportAll()
+  return sorted(_MODELS)
+
+
+def GetClass(name: str) -> type[base_model.SingleTaskModelParams]:
+  """The registered class of `name`, importing its module on demand.
+
+  Raises:
+    ModelRegistryError: `name` is not registered; the message lists the
+      closest registered names.
+  """
+  if name not in _MODELS:
+    _ImportModule(name)
+  if name in _MODELS:
+    return _MODELS[name]
+  known = ListModels()
+  close = difflib.get_close_matches(name, known, n=3, cutoff=0.5)
+  if not close:  # e.g. only the class name was given.
+    tail = name.rpartition('.')[2].lower()
+    close = [k for k in known if tail and tail in k.lower()][:3]
+  hint = (f' Closest: {", ".join(close)}.' if close else
+          f' Registered: {", ".join(known) or "(none)"}.')
+  raise ModelRegistryError(
+      f'Unknown model {name!r}.{hint} Names are <module under params/>.'
+      '<class>, e.g. synthetic.regression.MlpRegression.')
+
+
+def GetParams(name: str, dataset: str) -> Params:
+  """The composed Params of model `name` with the input of `dataset`.
+
+  Args:
+    name: A registered model name.
+    dataset: 'Train', 'Dev' or 'Test' (which of the config's methods gives
+      `input`).
+
+  Returns:
+    Params with keys `model` (the name), `task` and `input`.
+  """
+  if dataset not in DATASETS:
+    raise ModelRegistryError(
+        f'Unknown dataset {dataset!r} for model {name!r}; use one of '
+        f'{", ".join(DATASETS)}.')
+  config = GetClass(name)()
+  p = Params()
+  p.Define('model', name, 'Registered name of the model.')
+  p.Define('task', config.Task(), 'The task (model) Params.')
+  p.Define('input', getattr(config, dataset)(),
+           f'Input generator Params of the {dataset} split.')
+  return p

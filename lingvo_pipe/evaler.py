@@ -1,0 +1,255 @@
+"""The evaler binary: scores a trainer's checkpoints on Dev or Test, once each.
+
+    python -m lingvo_pipe.evaler --logdir=/tmp/mlp --eval_dataset=Dev \\
+        --mode=continuous
+
+The model is the trainer's: the registry's config with the `task.*` lines of
+`logdir/params.txt` applied (so training-time overrides hold), the input is
+the eval split's Params (plus --model_params_override). It runs in inference
+mode: no micro-batches, no recompute, BatchNorm on its moving averages.
+
+Exactly once: each scored checkpoint gets a JSON score file in
+`logdir/eval_<dataset>/` (step, metrics, number of examples, checkpoint path,
+wall time), written atomically, and a checkpoint with a score file is never
+scored again, across restarts too. Only checkpoints listed in the trainer's
+`checkpoint` state file are read (it lists a checkpoint only once written);
+one deleted before it could be read (the trainer keeps only the last few) is
+logged and skipped. TensorBoard summaries go to the same directory.
+"""
+
+from __future__ import annotations
+
+# pylint: disable=g-bad-import-order
+from lingvo_pipe import _cli  # First: imports TensorFlow without its banner.
+
+import ast
+import json
+import os
+import sys
+import time
+
+from absl import app
+from absl import flags
+from absl import logging
+import numpy as np
+import tensorflow as tf
+
+from lingvo_pipe.core import checkpoints
+from lingvo_pipe.core import devices
+from lingvo_pipe.core import fprop_context
+from lingvo_pipe.core import model_registry
+from lingvo_pipe.core import summaries
+from lingvo_pipe.core.hyperparams import Params
+from lingvo_pipe.core.nested_map import NestedMap
+
+_MODEL = flags.DEFINE_string('model', '', 'Registered model name; default: '
+                             'the one in logdir/params.txt.')
+_LOGDIR = flags.DEFINE_string('logdir', '', 'The trainer\'s logdir.')
+_DATASET = flags.DEFINE_enum('eval_dataset', 'Dev', ['Dev', 'Test'],
+                             'Which split to score.')
+_MODE = flags.DEFINE_enum(
+    'mode', 'latest', ['latest', 'all', 'continuous'], 'latest: the newest '
+    'checkpoint; all: every checkpoint, oldest first; continuous: wait for '
+    'new ones until one at or past task.train.max_steps is scored.')
+_OVERRIDE = flags.DEFINE_string(
+    'model_params_override', '', 'Params overrides ("path : value" separated '
+    'by ";"), applied after logdir/params.txt.')
+_NUM_CPUS = flags.DEFINE_integer('num_logical_cpu_devices', 2, 'Split the '
+                                 'CPU into this many logical devices.')
+_POLL_SECS = flags.DEFINE_float('poll_interval_secs', 10.0, 'continuous: '
+                                'seconds between looks for new checkpoints.')
+_TIMEOUT_SECS = flags.DEFINE_float(
+    'timeout_secs', 0.0, 'continuous: give up (exit 1) after this many '
+    'seconds without reaching max_steps; 0 waits forever.')
+
+
+def ScoreDir(logdir: str, dataset: str) -> str:
+  return os.path.join(logdir, f'eval_{dataset.lower()}')
+
+
+def _ScorePath(score_dir: str, ckpt: str) -> str:
+  return os.path.join(score_dir, os.path.basename(ckpt) + '.json')
+
+
+def ReadScores(score_dir: str) -> list[dict]:
+  """Every score record in `score_dir`, by step."""
+  if not os.path.isdir(score_dir):
+    return []
+  out = []
+  for name in os.listdir(score_dir):
+    if name.endswith('.json') and not name.startswith('.'):
+      with open(os.path.join(score_dir, name), encoding='utf-8') as f:
+        out.append(json.load(f))
+  return sorted(out, key=lambda r: r['step'])
+
+
+class Evaler:
+  """Restores checkpoints into the task and scores the eval split."""
+
+  def __init__(self, params: Params, logdir: str, dataset: str) -> None:
+    self._params = params
+    self.task = params.task.Instantiate()
+    self._input = params.input.Instantiate()
+    self._input.CheckAvailable()
+    with tf.device('/device:CPU:0'):
+      self._step = tf.Variable(0, dtype=tf.int64, trainable=False,
+                               name='global_step')
+    self._ckpt = tf.train.Checkpoint(step=self._step, task=self.task)
+    self._logdir = logdir
+    self.score_dir = ScoreDir(logdir, dataset)
+    self._writer: tf.summary.SummaryWriter | None = None
+    self._eval_fn = tf.function(self._EvalStep, reduce_retracing=True)
+
+  def _EvalStep(self, batch: NestedMap) -> NestedMap:
+    with fprop_context.Scope(training=False):
+      return self.task.EvalStep(self.task.theta, batch)
+
+  def Unscored(self) -> list[str]:
+    """Listed checkpoints without a score file, oldest first."""
+    return [c for c in checkpoints.ListCheckpoints(self._logdir)
+            if not os.path.exists(_ScorePath(self.score_dir, c))]
+
+  def Score(self, ckpt: str) -> dict | None:
+    """Scores `ckpt` and records it; None if it vanished before reading."""
+    start = time.time()
+    try:
+      status = self._ckpt.restore(ckpt)
+      status.expect_partial()  # The optimizer's slots are not needed here.
+      status.assert_existing_objects_matched()  # Every task variable is.
+    except (tf.errors.NotFoundError, tf.errors.DataLossError,
+            ValueError) as e:
+      if checkpoints.Exists(ckpt):
+        raise
+      logging.warning('Skipping %s: deleted before it could be read (%s).',
+                      ckpt, type(e).__name__)
+      return None
+    aggregator = self.task.CreateEvalAggregator()
+    num_examples = 0
+    for batch in self._input.EvalDataset():
+      outputs = self._eval_fn(batch)
+      num_examples += int(tf.nest.flatten(batch)[0].shape[0])
+      aggregator.Update(_Numpy(batch), _Numpy(outputs))
+    record = {
+        'step': int(self._step.numpy()),
+        'checkpoint': ckpt,
+        'metrics': {k: float(v) for k, v in aggregator.Finalize().items()},
+        'num_examples': num_examples,
+        'eval_seconds': time.time() - start,
+        'wall_time': time.time(),
+    }
+    self._Record(ckpt, record)
+    return record
+
+  def _Record(self, ckpt: str, record: dict) -> None:
+    os.makedirs(self.score_dir, exist_ok=True)
+    if self._writer is None:
+      self._writer = tf.summary.create_file_writer(self.score_dir)
+    summaries.Scalars(self._writer, record['step'], record['metrics'])
+    _cli.WriteFileAtomically(_ScorePath(self.score_dir, ckpt),
+                             json.dumps(record, indent=1, sort_keys=True))
+    logging.info('Scored %s (step %d, %d examples): %s', ckpt,
+                 record['step'], record['num_examples'],
+                 ', '.join(f'{k}={v:.6g}' for k, v in
+                           sorted(record['metrics'].items())))
+
+  def RunOnce(self, latest_only: bool) -> None:
+    todo = self.Unscored()
+    if latest_only:
+      listed = checkpoints.ListCheckpoints(self._logdir)
+      todo = [c for c in todo if listed and c == listed[-1]]
+    if not todo:
+      logging.info('Nothing new to score in %s.', self._logdir)
+    for ckpt in todo:
+      self.Score(ckpt)
+
+  def RunContinuous(self, poll_secs: float, deadline: float | None) -> None:
+    """Scores new checkpoints until one at or past max_steps is scored."""
+    max_steps = self._params.task.train.max_steps
+    while True:
+      for ckpt in self.Unscored():
+        self.Score(ckpt)
+      if any(r['step'] >= max_steps for r in ReadScores(self.score_dir)):
+        logging.info('Scored a checkpoint at step ≥ %d: done.', max_steps)
+        return
+      _SleepOrTimeOut(poll_secs, deadline,
+                      f'a checkpoint at step ≥ {max_steps} in {self._logdir}')
+
+
+def _SleepOrTimeOut(poll_secs: float, deadline: float | None,
+                    waiting_for: str) -> None:
+  """Sleeps one poll interval; exits 1 if --timeout_secs has passed."""
+  if deadline is not None and time.monotonic() > deadline:
+    logging.error('Timed out after --timeout_secs=%g waiting for %s.',
+                  _TIMEOUT_SECS.value, waiting_for)
+    sys.exit(1)
+  time.sleep(poll_secs)
+
+
+def _WaitForParams(logdir: str, poll_secs: float,
+                   deadline: float | None) -> None:
+  """continuous: the evaler may start before the trainer wrote params.txt."""
+  path = os.path.join(logdir, _cli.PARAMS_FILE)
+  if not os.path.exists(path):
+    logging.info('Waiting for the trainer to write %s.', path)
+  while not os.path.exists(path):
+    _SleepOrTimeOut(poll_secs, deadline, path)
+
+
+def _Numpy(tree: NestedMap) -> NestedMap:
+  return tf.nest.map_structure(
+      lambda t: t.numpy() if hasattr(t, 'numpy') else np.asarray(t), tree)
+
+
+def BuildParams(logdir: str, dataset: str) -> Params:
+  """Registry params of the eval split + the trainer's task.* + overrides."""
+  path = os.path.join(logdir, _cli.PARAMS_FILE)
+  if not os.path.isfile(path):
+    raise _cli.UserError(f'{path} not found: --logdir must be a trainer\'s '
+                         'logdir; run the trainer first or fix --logdir.')
+  with open(path, encoding='utf-8') as f:
+    lines = f.read().splitlines()
+  try:
+    trained = next((ast.literal_eval(l.split(':', 1)[1].strip())
+                    for l in lines if l.startswith('model :')), '')
+  except (ValueError, SyntaxError):
+    raise _cli.UserError(f'{path}: unreadable "model : ..." line; restore '
+                         'the file the trainer wrote.') from None
+  model = _MODEL.value or trained
+  if trained and model != trained:
+    raise _cli.UserError(f'--model={model} but {path} was trained as '
+                         f'{trained}; drop --model or fix --logdir.')
+  params = model_registry.GetParams(model, dataset)
+  _cli.ApplyOverrides(params, '\n'.join(l for l in lines
+                                        if l.startswith('task.')),
+                      _OVERRIDE.value)
+  return params
+
+
+def _Main(argv: list[str]) -> None:
+  if len(argv) > 1:
+    raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
+  with _cli.ExitOnUserError('evaler'):
+    devices.ConfigureLogicalCpus(_NUM_CPUS.value)  # Before any TF op.
+    if not _LOGDIR.value:
+      raise _cli.UserError('--logdir is required: the trainer\'s logdir.')
+    logdir = _LOGDIR.value
+    _cli.CheckWritableDir(ScoreDir(logdir, _DATASET.value))
+    deadline = (time.monotonic() + _TIMEOUT_SECS.value
+                if _TIMEOUT_SECS.value > 0 else None)
+    if _MODE.value == 'continuous':
+      _WaitForParams(logdir, _POLL_SECS.value, deadline)
+    params = BuildParams(logdir, _DATASET.value)
+    evaler = Evaler(params, logdir, _DATASET.value)
+    if _MODE.value == 'continuous':
+      evaler.RunContinuous(_POLL_SECS.value, deadline)
+    else:
+      evaler.RunOnce(latest_only=_MODE.value == 'latest')
+
+
+def run() -> None:
+  """Console-script entry point (`lingvo_pipe_evaler`)."""
+  app.run(_Main)
+
+
+if __name__ == '__main__':
+  run()

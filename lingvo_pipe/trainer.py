@@ -1,0 +1,337 @@
+"""The trainer binary: trains a registered model, checkpointing as it goes.
+
+    python -m lingvo_pipe.trainer --model=synthetic.regression.MlpRegression \\
+        --logdir=/tmp/mlp --model_params_override='task.train.max_steps: 200'
+
+Everything that decides a run is in the logdir's `params.txt`, written before
+the first step; a later run in the same logdir must have the same params
+(else it refuses and prints the difference, unless --force).
+
+A run can be killed at any moment (even SIGKILL) and restarted: it resumes
+from the latest complete checkpoint, which holds the weights, the optimizer
+slots and the global step, and the input order is a pure function of the
+step, so it ends with the weights of an uninterrupted run. A step whose loss
+or gradient is not finite applies nothing, and the trainer stops (exit 1)
+without saving, so the last checkpoint stays the last good one.
+
+What lands in the logdir: params.txt; checkpoint, ckpt-<step>.{index,data-*}
+(the last task.train.max_checkpoints_to_keep); train/events.* (TensorBoard).
+"""
+
+from __future__ import annotations
+
+# pylint: disable=g-bad-import-order
+from lingvo_pipe import _cli  # First: imports TensorFlow without its banner.
+
+import os
+import sys
+import time
+
+from absl import app
+from absl import flags
+from absl import logging
+import tensorflow as tf
+
+from lingvo_pipe.core import base_input_generator
+from lingvo_pipe.core import base_model
+from lingvo_pipe.core import checkpoints
+from lingvo_pipe.core import devices
+from lingvo_pipe.core import fprop_context
+from lingvo_pipe.core import learning_rate
+from lingvo_pipe.core import model_registry
+from lingvo_pipe.core import optimizer
+from lingvo_pipe.core import summaries
+from lingvo_pipe.core.hyperparams import Params
+
+_MODEL = flags.DEFINE_string('model', '', 'Registered model name, e.g. '
+                             'synthetic.regression.MlpRegression.')
+_LOGDIR = flags.DEFINE_string('logdir', '', 'Directory for params.txt, '
+                              'checkpoints and summaries.')
+_OVERRIDE = flags.DEFINE_string(
+    'model_params_override', '', 'Params overrides, "path : value" separated '
+    'by ";", e.g. "task.train.learning_rate: 0.1; input.batch_size: 32".')
+_OVERRIDE_FILE = flags.DEFINE_string(
+    'model_params_file_override', '', 'A file of "path : value" lines, '
+    'applied before --model_params_override.')
+_MAX_STEPS = flags.DEFINE_integer('max_steps', None, 'Overrides '
+                                  'task.train.max_steps.')
+_NUM_CPUS = flags.DEFINE_integer(
+    'num_logical_cpu_devices', 2, 'Split the CPU into this many logical '
+    'devices (pipeline stages without accelerators).')
+_DEVICES = flags.DEFINE_string('devices', '', 'Comma-separated device per '
+                               'pipeline stage (sets task.pipeline.devices).')
+_MODE = flags.DEFINE_enum('mode', 'train', ['train', 'inspect_params'],
+                          'train, or print the final params and '
+                          'task.Inspect() and exit (writes nothing).')
+_FORCE = flags.DEFINE_bool('force', False, 'Start even if logdir/params.txt '
+                           'differs (it is then replaced).')
+_DETERMINISTIC = flags.DEFINE_bool('deterministic', True, 'Enable TensorFlow '
+                                   'op determinism (bit-exact resumes).')
+
+_PROGRESS_SECS = 5.0
+
+
+class Trainer:
+  """Holds the task, optimizer, global step and checkpoint of one run."""
+
+  def __init__(self, params: Params, logdir: str) -> None:
+    self._params = params
+    self._train = params.task.train
+    self.task: base_model.BaseTask = params.task.Instantiate()
+    self._vars = list(self.task.trainable_variables)
+    self._opt = optimizer.FromParams(self._train)
+    self._opt.Build(self._vars)
+    with tf.device('/device:CPU:0'):
+      self.step = tf.Variable(0, dtype=tf.int64, trainable=False,
+                              name='global_step')
+    self._ckpt = tf.train.Checkpoint(step=self.step, task=self.task,
+                                     optimizer=self._opt)
+    self._logdir = logdir
+    self._manager: tf.train.CheckpointManager | None = None
+    # No AutoGraph: FProps are graph code already (tf.cond, tf.while_loop),
+    # and converting the pipeline's Python makes tracing ~3x slower.
+    self._step_fn = tf.function(self._TrainStep, autograph=False)
+
+  def Restore(self) -> int:
+    """Opens the checkpoint manager, restores the latest checkpoint if any."""
+    self._manager = tf.train.CheckpointManager(
+        self._ckpt, self._logdir, self._train.max_checkpoints_to_keep,
+        checkpoint_name=checkpoints.CHECKPOINT_PREFIX)
+    if self._manager.latest_checkpoint:
+      self._ckpt.restore(
+          self._manager.latest_checkpoint).assert_existing_objects_matched()
+      logging.info('Restored %s (step %d).', self._manager.latest_checkpoint,
+                   int(self.step.numpy()))
+    return int(self.step.numpy())
+
+  def Save(self) -> str:
+    assert self._manager is not None
+    return self._manager.save(checkpoint_number=int(self.step.numpy()))
+
+  @property
+  def latest_checkpoint(self) -> str | None:
+    return self._manager.latest_checkpoint if self._manager else None
+
+  def _TrainStep(self, batch: base_model.NestedMap):
+    """One step: loss, gradients, and the update iff all are finite."""
+    train, variables = self._train, self._vars
+    step = self.step.read_value()
+    collector = fprop_context.StatsCollector()
+    with fprop_context.Scope(training=True, step=step, stats=collector):
+      with tf.GradientTape() as tape:
+        metrics = self.task.FProp(self.task.theta, batch)
+        loss = metrics['loss'][0]
+        if train.weight_decay > 0:
+          loss += train.weight_decay * 0.5 * tf.add_n(
+              [tf.reduce_sum(tf.square(v)) for v in variables])
+      grads = tape.gradient(loss, variables)
+    norm = tf.linalg.global_norm([g for g in grads if g is not None])
+    finite = tf.logical_and(tf.math.is_finite(loss), tf.math.is_finite(norm))
+    if train.clip_gradient_norm > 0:
+      grads, _ = tf.clip_by_global_norm(grads, train.clip_gradient_norm,
+                                        use_norm=norm)
+    lr = learning_rate.LearningRate(train, step)
+
+    def _Apply() -> tf.Tensor:
+      self._opt.Apply(grads, variables, lr, step)
+      self.task.UpdateStats(collector.stats)  # BatchNorm: once per step.
+      self.step.assign_add(1)
+      return tf.constant(True)
+
+    applied = tf.cond(finite, _Apply, lambda: tf.constant(False))
+    return metrics, norm, applied, lr
+
+  def Train(self, generator: base_input_generator.BaseInputGenerator,
+            writer: tf.summary.SummaryWriter) -> None:
+    """Trains from the current step to max_steps; exits 1 on a bad step."""
+    train = self._train
+    start = int(self.step.numpy())
+    batch_size = generator.params.batch_size
+    progress = _Progress(train.max_steps, batch_size)
+    rate = _Rate(batch_size)
+    for batch in generator.TrainDataset(start):
+      s = int(self.step.numpy())
+      metrics, norm, applied, lr = self._step_fn(batch)
+      if not bool(applied.numpy()):
+        self._StopOnNonFinite(s, metrics, norm, writer)
+      done = s + 1
+      if done == start + 1:
+        rate.ExamplesPerSec(done)  # Starts the clock after tracing.
+      progress.Update(done, float(metrics['loss'][0]))
+      if done % train.summary_interval_steps == 0 or done == train.max_steps:
+        self._WriteSummaries(writer, done, metrics, norm, lr,
+                             rate.ExamplesPerSec(done))
+      if done % train.save_interval_steps == 0 or done == train.max_steps:
+        logging.info('Saved %s.', self.Save())
+      if done >= train.max_steps:
+        break
+    progress.Log(overall=True)
+
+  def _WriteSummaries(self, writer, step, metrics, norm, lr,
+                      examples_per_sec: float) -> None:
+    values = {name: value for name, (value, _) in metrics.items()}
+    values.update(learning_rate=lr, grad_global_norm=norm,
+                  examples_per_sec=examples_per_sec)
+    values.update(self.task.Summaries())
+    summaries.Scalars(writer, step, values)
+
+  def _StopOnNonFinite(self, step: int, metrics, norm, writer) -> None:
+    writer.flush()
+    kept = self.latest_checkpoint
+    kept_text = (f'the last good checkpoint is {kept}' if kept else
+                 'no checkpoint was written')
+    logging.error(
+        'Non-finite loss (%s) or gradient norm (%s) at step %d: nothing was '
+        'applied and nothing saved; %s. Lower task.train.learning_rate or '
+        'set task.train.clip_gradient_norm.', float(metrics['loss'][0]),
+        float(norm), step, kept_text)
+    sys.exit(1)
+
+
+class _Rate:
+  """Examples per second since the previous call (the first step, which
+  includes tracing the step function, is not timed)."""
+
+  def __init__(self, batch_size: int) -> None:
+    self._batch = batch_size
+    self._mark: tuple[float, int] | None = None
+
+  def ExamplesPerSec(self, step: int) -> float:
+    now = time.monotonic()
+    if self._mark is None or now <= self._mark[0] or step <= self._mark[1]:
+      rate = 0.0
+    else:
+      rate = (step - self._mark[1]) * self._batch / (now - self._mark[0])
+    self._mark = (now, step)
+    return rate
+
+
+class _Progress:
+  """A console line every few seconds: step, loss, examples/s, ETA."""
+
+  def __init__(self, max_steps: int, batch_size: int) -> None:
+    self._max = max_steps
+    self._rate = _Rate(batch_size)
+    self._steps_per_sec = 0.0
+    self._batch = batch_size
+    self._step, self._loss = 0, float('nan')
+    self._last_log: float | None = None
+    self._first: tuple[float, int] = (0.0, 0)
+
+  def Update(self, step: int, loss: float) -> None:
+    self._step, self._loss = step, loss
+    now = time.monotonic()
+    if self._last_log is None:  # First step: starts the clock.
+      self._rate.ExamplesPerSec(step)
+      self._last_log, self._first = now, (now, step)
+      self.Log()
+    elif now - self._last_log >= _PROGRESS_SECS:
+      self._steps_per_sec = self._rate.ExamplesPerSec(step) / self._batch
+      self._last_log = now
+      self.Log()
+
+  def Log(self, overall: bool = False) -> None:
+    """Logs the progress line; `overall`: the rate since the first step."""
+    elapsed = time.monotonic() - self._first[0]
+    if overall and elapsed > 0 and self._step > self._first[1]:
+      self._steps_per_sec = (self._step - self._first[1]) / elapsed
+    left = self._max - self._step
+    eta = (time.strftime('%H:%M:%S', time.gmtime(left / self._steps_per_sec))
+           if self._steps_per_sec > 0 else '?')
+    logging.info('step %d/%d  loss %.5g  %.0f examples/s  ETA %s',
+                 self._step, self._max, self._loss,
+                 self._steps_per_sec * self._batch, eta)
+
+
+def BuildParams() -> Params:
+  """Registry params + overrides + flags, validated."""
+  if not _MODEL.value:
+    raise _cli.UserError('--model is required, e.g. '
+                         '--model=synthetic.regression.MlpRegression.')
+  params = model_registry.GetParams(_MODEL.value, 'Train')
+  file_text = (_cli.ReadOverrideFile(_OVERRIDE_FILE.value)
+               if _OVERRIDE_FILE.value else '')
+  _cli.ApplyOverrides(params, file_text, _OVERRIDE.value)
+  if _MAX_STEPS.value is not None:
+    params.task.train.max_steps = _MAX_STEPS.value
+  _cli.SetDevices(params, _DEVICES.value)
+  _cli.ValidateTrainParams(params)
+  return params
+
+
+def _WithOldRunLength(params: Params, old_text: str) -> str | None:
+  """params' text with max_steps as in `old_text` (None if unreadable).
+
+  max_steps only says how long to train, so continuing a finished run with a
+  larger --max_steps is the same run, not a conflicting one.
+  """
+  try:
+    old_steps = params.Copy().FromText(old_text).task.train.max_steps
+  except Exception:  # pylint: disable=broad-except
+    return None
+  same = params.Copy()
+  same.task.train.max_steps = old_steps
+  return same.ToText()
+
+
+def _CheckParamsFile(logdir: str, params: Params) -> None:
+  """Refuses (exit 2) a logdir whose params.txt differs, unless --force."""
+  path = os.path.join(logdir, _cli.PARAMS_FILE)
+  if not os.path.exists(path):
+    return
+  with open(path, encoding='utf-8') as f:
+    old = f.read()
+  if old == params.ToText() or old == _WithOldRunLength(params, old):
+    return  # Same run, or the same run extended/shortened (max_steps).
+  diff = _cli.ParamsDiff(old, params)
+  if _FORCE.value:
+    logging.warning('--force: replacing %s; differences:\n%s', path, diff)
+    return
+  sys.stderr.write(f'{diff}\n')
+  raise _cli.UserError(
+      f'{path} differs from this run\'s params (diff above: - logdir, + '
+      'now); use the same model and overrides, another --logdir, or --force.')
+
+
+def _Main(argv: list[str]) -> None:
+  if len(argv) > 1:
+    raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
+  with _cli.ExitOnUserError('trainer'):
+    devices.ConfigureLogicalCpus(_NUM_CPUS.value)  # Before any TF op.
+    if _DETERMINISTIC.value:
+      tf.config.experimental.enable_op_determinism()
+    params = BuildParams()
+    if _MODE.value == 'inspect_params':
+      task = params.task.Instantiate()
+      print(params.ToText(), end='')
+      print(task.Inspect())
+      return
+    logdir = _LOGDIR.value
+    _cli.CheckWritableDir(logdir)
+    _CheckParamsFile(logdir, params)
+    generator = params.input.Instantiate()
+    generator.CheckAvailable()
+    generator.TrainDataset(0)  # Builds (lazily) to check batch size etc.
+    trainer = Trainer(params, logdir)
+  # Everything is valid: only now touch the logdir.
+  os.makedirs(logdir, exist_ok=True)
+  _cli.WriteFileAtomically(os.path.join(logdir, _cli.PARAMS_FILE),
+                           params.ToText())
+  start = trainer.Restore()
+  if start >= params.task.train.max_steps:
+    logging.info('Already at step %d ≥ max_steps %d: nothing to do.', start,
+                 params.task.train.max_steps)
+    return
+  writer = _cli.SummaryWriter(logdir, 'train')
+  with _cli.ExitOnUserError('trainer'):
+    trainer.Train(generator, writer)
+  writer.close()
+
+
+def run() -> None:
+  """Console-script entry point (`lingvo_pipe_trainer`)."""
+  app.run(_Main)
+
+
+if __name__ == '__main__':
+  run()

@@ -1,0 +1,1 @@
+"""Synthetic models: small, data-free configs for tests and smoke runs."""

@@ -1,0 +1,90 @@
+"""Runs the trainer and evaler binaries as a user does: as subprocesses."""
+
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+MODEL = 'synthetic.regression.MlpRegression'
+PYTHON = sys.executable
+_ENV = dict(os.environ, TF_CPP_MIN_LOG_LEVEL='2')
+# Small, fast runs: every checkpoint kept so tests can compare them all.
+FAST = ('task.train.summary_interval_steps: 5; '
+        'task.train.max_checkpoints_to_keep: 50')
+
+
+def Command(binary, *args):
+  return [PYTHON, '-m', f'lingvo_pipe.{binary}', *args]
+
+
+def Start(binary, *args):
+  return subprocess.Popen(Command(binary, *args), stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True, env=_ENV)
+
+
+def Finish(proc, timeout=300):
+  """(returncode, stdout, stderr) of a started process."""
+  try:
+    out, err = proc.communicate(timeout=timeout)
+  except subprocess.TimeoutExpired:
+    proc.kill()
+    out, err = proc.communicate()
+    raise AssertionError(f'{proc.args} timed out; stderr:\n{err}') from None
+  return proc.returncode, out, err
+
+
+def Run(binary, *args, timeout=300):
+  return Finish(Start(binary, *args), timeout)
+
+
+def RunMany(commands, parallel=4, timeout=300):
+  """Runs (binary, args) pairs, `parallel` at a time; results in order."""
+  results, running, todo = {}, {}, list(enumerate(commands))
+  deadline = time.monotonic() + timeout
+  while todo or running:
+    while todo and len(running) < parallel:
+      i, (binary, args) = todo.pop(0)
+      running[i] = Start(binary, *args)
+    for i, proc in list(running.items()):
+      if proc.poll() is not None:
+        results[i] = Finish(proc)
+        del running[i]
+    if time.monotonic() > deadline:
+      for proc in running.values():
+        proc.kill()
+      raise AssertionError('RunMany timed out')
+    time.sleep(0.05)
+  return [results[i] for i in range(len(commands))]
+
+
+def Tree(path):
+  """{relative path: (size, mtime_ns)} of every file under `path`."""
+  out = {}
+  for root, _, files in os.walk(path):
+    for name in files:
+      full = os.path.join(root, name)
+      st = os.stat(full)
+      out[os.path.relpath(full, path)] = (st.st_size, st.st_mtime_ns)
+  return out
+
+
+def ReadCheckpoint(path):
+  """{variable name: value} of a checkpoint, read without building a model."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  reader = tf.train.load_checkpoint(path)
+  return {name: reader.get_tensor(name)
+          for name in reader.get_variable_to_shape_map()
+          if name != '_CHECKPOINTABLE_OBJECT_GRAPH'}
+
+
+def MaxRelativeDiff(a, b):
+  """max over variables of max|a−b| / max(max|a|, tiny)."""
+  assert sorted(a) == sorted(b)
+  worst = 0.0
+  for name in a:
+    x, y = np.asarray(a[name], np.float64), np.asarray(b[name], np.float64)
+    scale = max(float(np.max(np.abs(x))) if x.size else 0.0, 1e-30)
+    worst = max(worst, float(np.max(np.abs(x - y))) / scale if x.size else 0)
+  return worst

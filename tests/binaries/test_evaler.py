@@ -1,0 +1,127 @@
+"""The evaler binary end to end: exactly-once scoring, exact metrics."""
+
+import json
+import os
+import re
+import shutil
+
+import numpy as np
+import pytest
+
+import binary_runner as br
+from lingvo_pipe.core import checkpoints
+from lingvo_pipe.core import model_registry
+from lingvo_pipe.core import summaries
+from tasks.synthetic import input_generator
+
+
+def _Scores(score_dir):
+  return {name: json.loads((score_dir / name).read_text())
+          for name in sorted(os.listdir(score_dir)) if name.endswith('.json')}
+
+
+def _NumpyMetrics(ckpt, dataset):
+  """The model of params/synthetic/regression.py in float64 numpy."""
+  p = model_registry.GetParams(br.MODEL, dataset).input
+  data = input_generator.MakeSplit(p.data_seed, p.split, p.num_examples,
+                                   p.input_dim, p.output_dim, p.noise_stddev)
+  v = {k.split('/.ATTRIBUTES')[0].replace('task/pipeline/', ''):
+       np.asarray(x, np.float64) for k, x in br.ReadCheckpoint(ckpt).items()}
+  h = data['x'].astype(np.float64)
+  for fc, bn in (('layers_0', 'layers_1'), ('layers_2', 'layers_3')):
+    h = np.maximum(h @ v[f'{fc}/w'] + v[f'{fc}/b'], 0.0)
+    h = ((h - v[f'{bn}/moving_mean']) /
+         np.sqrt(v[f'{bn}/moving_variance'] + 1e-3) * v[f'{bn}/gamma'] +
+         v[f'{bn}/beta'])
+  err = h @ v['layers_4/w'] + v['layers_4/b'] - data['y']
+  return {'loss': np.mean(err**2), 'mean_abs_error': np.mean(np.abs(err))}
+
+
+@pytest.fixture(scope='module')
+def eval_runs(trained_logdir, tmp_path_factory):
+  tmp = tmp_path_factory.mktemp('eval')
+  copies = {}
+  for name in ('all', 'latest', 'deleted'):
+    copies[name] = tmp / name
+    shutil.copytree(trained_logdir, copies[name])
+  for suffix in ('.index', '.data-00000-of-00001'):  # Listed, then deleted.
+    os.remove(copies['deleted'] / f'ckpt-20{suffix}')
+  runs = [
+      ('evaler', (f'--logdir={copies["all"]}', '--mode=all')),
+      ('evaler', (f'--logdir={copies["latest"]}', '--mode=latest',
+                  '--eval_dataset=Test', f'--model={br.MODEL}')),
+      ('evaler', (f'--logdir={copies["deleted"]}', '--mode=all')),
+  ]
+  results = dict(zip(copies, br.RunMany(runs)))
+  return results, copies
+
+
+def test_all_scores_every_checkpoint_exactly_with_numpy(eval_runs):
+  results, copies = eval_runs
+  rc, _, err = results['all']
+  assert rc == 0, err
+  score_dir = copies['all'] / 'eval_dev'
+  scores = _Scores(score_dir)
+  assert sorted(scores) == ['ckpt-10.json', 'ckpt-20.json', 'ckpt-30.json']
+  for name, record in scores.items():
+    step = int(re.search(r'\d+', name).group())
+    assert record['step'] == step
+    assert record['num_examples'] == 200  # 6 batches of 32 and one of 8.
+    assert record['checkpoint'] == str(copies['all'] / f'ckpt-{step}')
+    assert {'eval_seconds', 'wall_time'} <= set(record)
+    want = _NumpyMetrics(record['checkpoint'], 'Dev')
+    for key, value in want.items():
+      assert record['metrics'][key] == pytest.approx(value, rel=1e-5)
+  scalars = summaries.ReadScalars(str(score_dir))
+  assert [s for s, _ in scalars['loss']] == [10, 20, 30]
+
+
+def test_second_run_scores_nothing_new(eval_runs):
+  _, copies = eval_runs
+  before = br.Tree(copies['all'])
+  rc, _, err = br.Run('evaler', f'--logdir={copies["all"]}', '--mode=all')
+  assert rc == 0, err
+  assert 'Nothing new to score' in err
+  assert br.Tree(copies['all']) == before
+
+
+def test_latest_scores_only_the_newest_on_test(eval_runs):
+  results, copies = eval_runs
+  rc, _, err = results['latest']
+  assert rc == 0, err
+  scores = _Scores(copies['latest'] / 'eval_test')
+  assert list(scores) == ['ckpt-30.json']
+  assert scores['ckpt-30.json']['num_examples'] == 500
+  assert not (copies['latest'] / 'eval_dev').exists()
+
+
+def test_a_listed_checkpoint_deleted_before_reading_is_skipped(eval_runs):
+  results, copies = eval_runs
+  rc, _, err = results['deleted']
+  assert rc == 0, err
+  assert re.search(r'Skipping \S*ckpt-20: deleted', err)
+  assert sorted(_Scores(copies['deleted'] / 'eval_dev')) == [
+      'ckpt-10.json', 'ckpt-30.json']
+
+
+def test_continuous_beside_a_running_trainer_scores_each_once(tmp_path):
+  logdir = tmp_path / 'logdir'
+  # Started together: the evaler waits for the trainer's params.txt.
+  evaler = br.Start('evaler', f'--logdir={logdir}', '--mode=continuous',
+                    '--poll_interval_secs=0.1', '--timeout_secs=280')
+  trainer = br.Start('trainer', f'--model={br.MODEL}', f'--logdir={logdir}',
+                     '--max_steps=200', f'--model_params_override={br.FAST}; '
+                     'task.train.save_interval_steps: 40')
+  rc, _, err = br.Finish(trainer)
+  assert rc == 0, err
+  rc, _, err = br.Finish(evaler)
+  assert rc == 0, err
+  steps = [40, 80, 120, 160, 200]
+  assert [checkpoints.StepOf(c) for c in
+          checkpoints.ListCheckpoints(str(logdir))] == steps
+  scored = re.findall(r'Scored \S*ckpt-(\d+) ', err)
+  assert sorted(int(s) for s in scored) == steps  # Each exactly once.
+  assert sorted(_Scores(logdir / 'eval_dev')) == sorted(
+      f'ckpt-{s}.json' for s in steps)
+  loss = summaries.ReadScalars(str(logdir / 'eval_dev'))['loss']
+  assert sorted(s for s, _ in loss) == steps

@@ -1,0 +1,169 @@
+"""The trainer binary end to end: logdir, resume after SIGKILL, NaN, params."""
+
+import os
+import shutil
+import signal
+import time
+
+import numpy as np
+import pytest
+
+import binary_runner as br
+from lingvo_pipe.core import checkpoints
+from lingvo_pipe.core import learning_rate
+from lingvo_pipe.core import model_registry
+from lingvo_pipe.core import summaries
+
+_TAGS = {'loss', 'mean_abs_error', 'learning_rate', 'grad_global_norm',
+         'examples_per_sec', 'pipeline/partition_imbalance',
+         'pipeline/bubble_fraction'}
+
+
+def test_logdir_holds_params_checkpoints_and_summaries(trained_logdir):
+  listed = checkpoints.ListCheckpoints(str(trained_logdir))
+  assert [checkpoints.StepOf(c) for c in listed] == [10, 20, 30]
+  values = br.ReadCheckpoint(listed[-1])
+  assert values['step/.ATTRIBUTES/VARIABLE_VALUE'] == 30
+  weights = [n for n in values if n.startswith('task/') and
+             'moving' not in n]
+  slots = [n for n in values if n.startswith('optimizer/_slots/')]
+  assert len(slots) == 2 * len(weights)  # Adam: m and v per weight.
+  # BatchNorm statistics were folded into the moving averages.
+  assert np.abs(values['task/pipeline/layers_1/moving_mean/.ATTRIBUTES/'
+                       'VARIABLE_VALUE']).max() > 0
+
+  scalars = summaries.ReadScalars(str(trained_logdir / 'train'))
+  assert _TAGS <= set(scalars)
+  assert [s for s, _ in scalars['loss']] == [5, 10, 15, 20, 25, 30]
+  train = model_registry.GetParams(br.MODEL, 'Train').task.train
+  train.max_steps = 30  # As the fixture's --max_steps.
+  for step, value in scalars['learning_rate']:  # The rate of the last step.
+    assert value == pytest.approx(
+        float(learning_rate.LearningRate(train, step - 1)), rel=1e-6)
+  losses = [v for _, v in scalars['loss']]
+  assert losses[-1] < losses[0]
+
+
+@pytest.fixture(scope='module')
+def side_runs(trained_logdir, tmp_path_factory):
+  """Independent runs, in parallel: inspect, params refusal, --force, NaN."""
+  tmp = tmp_path_factory.mktemp('side')
+  forced = tmp / 'forced'
+  shutil.copytree(trained_logdir, forced)
+  extended = tmp / 'extended'
+  shutil.copytree(trained_logdir, extended)
+  before = br.Tree(trained_logdir)
+  common = (f'--model={br.MODEL}', '--max_steps=30',
+            f'--model_params_override={br.FAST}; '
+            'task.train.save_interval_steps: 10')
+  other_lr = ('--model_params_override=task.train.learning_rate: 0.5; '
+              f'{br.FAST}; task.train.save_interval_steps: 10')
+  runs = {
+      'inspect': ('trainer', (*common, '--mode=inspect_params',
+                              f'--logdir={tmp / "inspect"}')),
+      'refused': ('trainer', (f'--model={br.MODEL}', '--max_steps=30',
+                              other_lr, f'--logdir={trained_logdir}')),
+      'forced': ('trainer', (f'--model={br.MODEL}', '--max_steps=30',
+                             other_lr, f'--logdir={forced}', '--force')),
+      'extended': ('trainer', (*common[:1], '--max_steps=35', *common[2:],
+                               f'--logdir={extended}')),
+      'nan': ('trainer', (f'--model={br.MODEL}', f'--logdir={tmp / "nan"}',
+                          '--max_steps=20', '--model_params_override='
+                          'input.nan_at_step: 7; '
+                          'task.train.save_interval_steps: 3')),
+  }
+  results = dict(zip(runs, br.RunMany(list(runs.values()))))
+  return results, tmp, before
+
+
+def test_inspect_params_prints_final_params_and_writes_nothing(
+    side_runs, trained_logdir):
+  results, tmp, _ = side_runs
+  rc, out, err = results['inspect']
+  assert rc == 0, err
+  params_txt = (trained_logdir / 'params.txt').read_text()
+  assert out.startswith(params_txt)  # Same flags → the same final params.
+  assert 'imbalance' in out[len(params_txt):]  # task.Inspect(): partition.
+  assert not (tmp / 'inspect').exists()
+
+
+def test_params_mismatch_refuses_without_force(side_runs, trained_logdir):
+  results, _, before = side_runs
+  rc, _, err = results['refused']
+  assert rc == 2
+  trained = model_registry.GetParams(br.MODEL, 'Train').task.train
+  assert f'- task.train.learning_rate : {trained.learning_rate}' in err
+  assert '+ task.train.learning_rate : 0.5' in err
+  assert err.strip().splitlines()[-1].startswith('trainer: error:')
+  assert '--force' in err and 'Traceback' not in err
+  assert br.Tree(trained_logdir) == before
+
+
+def test_force_replaces_params(side_runs):
+  results, tmp, _ = side_runs
+  rc, _, err = results['forced']
+  assert rc == 0, err
+  assert 'task.train.learning_rate : 0.5' in (
+      tmp / 'forced' / 'params.txt').read_text()
+
+
+def test_larger_max_steps_continues_the_same_run(side_runs):
+  # max_steps is the run's length, not its identity: no --force needed.
+  results, tmp, _ = side_runs
+  rc, _, err = results['extended']
+  assert rc == 0, err
+  listed = checkpoints.ListCheckpoints(str(tmp / 'extended'))
+  assert checkpoints.StepOf(listed[-1]) == 35
+  assert 'task.train.max_steps : 35' in (
+      tmp / 'extended' / 'params.txt').read_text()
+
+
+def test_nan_stops_naming_the_step_and_keeps_the_last_good_checkpoint(
+    side_runs):
+  results, tmp, _ = side_runs
+  rc, _, err = results['nan']
+  assert rc == 1, err
+  assert 'at step 7' in err and 'Non-finite loss' in err
+  assert 'Traceback' not in err
+  listed = checkpoints.ListCheckpoints(str(tmp / 'nan'))
+  assert [checkpoints.StepOf(c) for c in listed] == [3, 6]
+  assert os.path.basename(listed[-1]) in err
+  for value in br.ReadCheckpoint(listed[-1]).values():
+    assert np.all(np.isfinite(value))
+
+
+def _WaitForCheckpoint(logdir, proc, timeout=240):
+  deadline = time.monotonic() + timeout
+  while time.monotonic() < deadline and proc.poll() is None:
+    if checkpoints.ListCheckpoints(str(logdir)):
+      return
+    time.sleep(0.02)
+  raise AssertionError(f'no checkpoint appeared (rc={proc.poll()})')
+
+
+def test_sigkill_then_restart_reproduces_uninterrupted_weights(tmp_path):
+  steps = 600
+  args = (f'--model={br.MODEL}', f'--max_steps={steps}',
+          f'--model_params_override={br.FAST}; '
+          'task.train.save_interval_steps: 50')
+  whole, killed = tmp_path / 'whole', tmp_path / 'killed'
+  reference = br.Start('trainer', *args, f'--logdir={whole}')
+  victim = br.Start('trainer', *args, f'--logdir={killed}')
+  _WaitForCheckpoint(killed, victim)
+  time.sleep(0.3)  # Somewhere mid-run, possibly mid-save.
+  victim.send_signal(signal.SIGKILL)
+  victim.communicate()
+  survived = checkpoints.ListCheckpoints(str(killed))
+  assert survived and checkpoints.StepOf(survived[-1]) < steps, (
+      'the trainer finished before it could be killed')
+
+  rc, _, err = br.Run('trainer', *args, f'--logdir={killed}')
+  assert rc == 0, err
+  assert f'Restored {survived[-1]}' in err
+  rc, _, err = br.Finish(reference)
+  assert rc == 0, err
+  final = f'ckpt-{steps}'
+  diff = br.MaxRelativeDiff(br.ReadCheckpoint(str(whole / final)),
+                            br.ReadCheckpoint(str(killed / final)))
+  print(f'killed after {survived[-1]}; max relative difference {diff:.3g}')
+  assert diff <= 1e-6
