@@ -253,6 +253,9 @@ class BaseLayer(tf.Module):
     super().__init__(name=re.sub(r'\W', '_', name))
     parent: BaseLayer | None = getattr(_BUILD, 'parent', None)
     child_name: str | None = getattr(_BUILD, 'child_name', None)
+    # Consumed: a layer this one builds without CreateChild is a new root,
+    # not a second 'parent.child_name' with the same seeds.
+    _BUILD.parent = _BUILD.child_name = None
     self._params = params.Copy().Freeze()
     self._path = (f'{parent.path}.{child_name}' if parent is not None and
                   child_name else name)
@@ -262,6 +265,7 @@ class BaseLayer(tf.Module):
     self._random_seed = int(seed)
     self._private_vars = NestedMap()
     self._private_children = NestedMap()
+    self._dependency_names: set[str] = set()  # Checkpoint names in use.
 
   # ---- Read-only facts --------------------------------------------------
   @property
@@ -343,7 +347,12 @@ class BaseLayer(tf.Module):
 
     `devices[i]`, if given, is where child i's variables are created.
     """
-    self._CheckNewName(name)
+    self._CheckNewName(name, [f'{name}_{i}' for i in range(len(params_list))])
+    if devices is not None and len(devices) != len(params_list):
+      raise LayerError(
+          f'{self.path}: CreateChildren({name!r}) got {len(params_list)} '
+          f'params but {len(devices)} devices {list(devices)}; give one '
+          'device (or None) per child.')
     children = []
     for i, params in enumerate(params_list):
       device = devices[i] if devices is not None else None
@@ -368,10 +377,20 @@ class BaseLayer(tf.Module):
     self._track_trackable(var, name=name)
     return var
 
-  def _CheckNewName(self, name: str) -> None:
-    if name in self._private_vars or name in self._private_children:
-      raise LayerError(f'{self.path}: {name!r} is already a variable or '
+  def _CheckNewName(self, name: str,
+                    checkpoint_names: Sequence[str] | None = None) -> None:
+    """Raises LayerError unless `name` can key theta and the checkpoint."""
+    if not name.isidentifier() or hasattr(NestedMap, name):
+      raise LayerError(f'{self.path}: {name!r} cannot name a variable or '
+                       'child: use an identifier that is not a NestedMap/dict '
+                       'method (e.g. not "values", "items" or "copy").')
+    taken = [n for n in [name] + list(checkpoint_names or [name])
+             if n in self._private_vars or n in self._private_children or
+             n in self._dependency_names]
+    if taken:
+      raise LayerError(f'{self.path}: {taken[0]!r} is already a variable or '
                        'child of this layer; pick another name.')
+    self._dependency_names.update(checkpoint_names or [name])
 
   # ---- Computing -------------------------------------------------------------
   def FProp(self, theta: NestedMap, *inputs: Any) -> Any:

@@ -16,21 +16,16 @@ logdir and refuses to resume under different params, printing `TextDiff`.
 
 from __future__ import annotations
 
-import ast
 import copy
 import difflib
-import importlib
 import re
 from typing import Any, Iterator
 
-import tensorflow as tf
+from lingvo_pipe.core import params_text
+from lingvo_pipe.core.params_text import ParamsError
 
 _PATH_PART = re.compile(r'^([A-Za-z_]\w*)((?:\[\d+\])*)$')
 _LIST_HEADER = re.compile(r'^(list|tuple)\(len=(\d+)\)$')
-
-
-class ParamsError(AttributeError):
-  """A key, path or value that the Params tree does not accept."""
 
 
 def _Suggest(name: str, candidates: list[str]) -> str:
@@ -65,6 +60,9 @@ class Params:
     if not _PATH_PART.match(name) or '[' in name or name.startswith('_'):
       raise ParamsError(f'Param name {self._Full(name)!r} must be an '
                         'identifier that does not start with "_".')
+    if hasattr(type(self), name):  # p.Copy would read the method, not it.
+      raise ParamsError(f'Param name {self._Full(name)!r} shadows the '
+                        f'{type(self).__name__} attribute {name!r}; rename it.')
     if name in self._params:
       raise ParamsError(f'Param {self._Full(name)!r} is already defined '
                         f'(doc: {self._params[name].doc!r}).')
@@ -127,16 +125,7 @@ class Params:
     """
     for path, value in kwargs.items():
       parent, key, index = self._Walk(path, create=False)
-      if index is None:
-        setattr(parent, key, value)
-      else:
-        container = getattr(parent, key)
-        parent._CheckMutable(key)
-        if isinstance(container, tuple):
-          container = container[:index] + (value,) + container[index + 1:]
-          setattr(parent, key, container)
-        else:
-          container[index] = value
+      parent._SetIndexed(key, [] if index is None else [index], value)
     return self
 
   # ---- Copy and freeze ---------------------------------------------------
@@ -154,8 +143,8 @@ class Params:
   def Freeze(self) -> 'Params':
     """Makes this tree (and every nested Params) read-only; returns self."""
     self.__dict__['_frozen'] = True
-    for _, value in self.IterParams():
-      for sub in _SubParams(value):
+    for name, value in self.IterParams():
+      for _, sub in _NestedParams(value, name):
         sub.Freeze()
     return self
 
@@ -172,11 +161,13 @@ class Params:
     """Applies `path : value` lines (ToText's format); returns self.
 
     Lines may be separated by newlines or ';' (the trainer's
-    --model_params_override). A value is parsed into the type of the value it
-    replaces; a mismatch raises an error naming the key, the text and the
-    expected type.
+    --model_params_override). A ';' inside a quoted string is part of the
+    string; an unquoted string value (`optimizer : adam`) cannot contain ';'
+    — quote it (ToText always does). Lines starting with '#' are comments. A
+    value is parsed into the type of the value it replaces; a mismatch
+    raises an error naming the key, the text and the expected type.
     """
-    for raw in re.split(r'[\n;]', text):
+    for raw in params_text.SplitLines(text):
       line = raw.strip()
       if not line or line.startswith('#'):
         continue
@@ -219,13 +210,11 @@ class Params:
           'instantiate again.')
 
   def _Adopt(self, name: str, value: Any) -> None:
-    """Records the path of nested Params for error messages."""
-    if isinstance(value, Params):
-      value.__dict__['_path'] = self._Full(name)
-    elif isinstance(value, (list, tuple)):
-      for i, item in enumerate(value):
-        if isinstance(item, Params):
-          item.__dict__['_path'] = f'{self._Full(name)}[{i}]'
+    """Records the full path of nested Params (all levels) for messages."""
+    for path, sub in _NestedParams(value, self._Full(name)):
+      sub.__dict__['_path'] = path
+      for key, item in sub.IterParams():
+        sub._Adopt(key, item)
 
   def _Walk(self, path: str, create: bool) -> tuple['Params', str, int | None]:
     """Resolves 'a.b[2].c' to (Params holding c, 'c', list index or None)."""
@@ -240,9 +229,12 @@ class Params:
                           '"layers[2].output_dim".')
       key, indices = m.group(1), [int(i) for i in re.findall(r'\d+',
                                                             m.group(2))]
+      if key not in node._params and isinstance(node, _OpenParams):
+        node.Define(key, None, 'Set from text.')  # At any depth.
       if key not in node._params:
         raise ParamsError(
-            f'Unknown param {".".join(done + [key])!r} in path {path!r}.'
+            f'Unknown param {self._Full(".".join(done + [key]))!r} in path '
+            f'{path!r}.'
             f'{_Suggest(key, list(node._params))} Defined at this level: '
             f'{", ".join(node._params) or "(none)"}.')
       last = depth == len(parts) - 1
@@ -271,6 +263,7 @@ class Params:
     if not indices:
       setattr(self, key, value)
       return
+    self._CheckMutable(key)
     container = self._params[key].value
     if isinstance(container, tuple):
       container = list(container)
@@ -296,11 +289,11 @@ class Params:
     old = getattr(parent, key) if index is None else getattr(parent,
                                                              key)[index]
     suffix = '' if index is None else f'[{index}]'
-    parent.Set(**{key + suffix: _ParseValue(text_value, old, path)})
+    parent.Set(**{key + suffix: params_text.ParseValue(text_value, old, path)})
 
   def _SetClassFromText(self, owner_path: str, text_value: str) -> None:
     """`x.cls : type/...`: (re)builds x from the class's own Params()."""
-    new_cls = _ParseValue(text_value, type, f'{owner_path}.cls')
+    new_cls = params_text.ParseValue(text_value, type, f'{owner_path}.cls')
     parent, key, index = self._Walk(owner_path, create=True)
     owner = getattr(parent, key) if index is None else getattr(parent,
                                                                key)[index]
@@ -335,12 +328,13 @@ class InstantiableParams(Params):
 
 
 # ---- Value (de)serialisation -------------------------------------------------
-def _SubParams(value: Any) -> list[Params]:
+def _NestedParams(value: Any, path: str) -> Iterator[tuple[str, Params]]:
+  """(path, Params) for `value` or each Params in a (nested) list of it."""
   if isinstance(value, Params):
-    return [value]
-  if isinstance(value, (list, tuple)):
-    return [v for v in value if isinstance(v, Params)]
-  return []
+    yield path, value
+  elif isinstance(value, (list, tuple)):
+    for i, item in enumerate(value):
+      yield from _NestedParams(item, f'{path}[{i}]')
 
 
 def _CopyValue(value: Any) -> Any:
@@ -363,12 +357,6 @@ class _OpenParams(Params):
       self.Define(name, None, 'Set from text.')
     super().__setattr__(name, value)
 
-  def _Walk(self, path: str, create: bool) -> tuple[Params, str, int | None]:
-    key = _PATH_PART.match(path.split('.')[0])
-    if key and key.group(1) not in self._params:
-      self.Define(key.group(1), None, 'Set from text.')
-    return super()._Walk(path, create)
-
 
 def _Flatten(path: str, value: Any, out: dict[str, str]) -> None:
   if isinstance(value, Params):
@@ -380,130 +368,4 @@ def _Flatten(path: str, value: Any, out: dict[str, str]) -> None:
     for i, item in enumerate(value):
       _Flatten(f'{path}[{i}]', item, out)
   else:
-    out[path] = _ValueToText(path, value)
-
-
-def _ValueToText(path: str, value: Any) -> str:
-  if isinstance(value, tf.DType):
-    return f'tf.{value.name}'
-  if isinstance(value, type):
-    return f'type/{value.__module__}.{value.__qualname__}'
-  if isinstance(value, (list, tuple)):
-    inner = ', '.join(_ValueToText(path, v) for v in value)
-    if isinstance(value, tuple):
-      return f'({inner},)' if len(value) == 1 else f'({inner})'
-    return f'[{inner}]'
-  if isinstance(value, dict):
-    inner = ', '.join(f'{k!r}: {_ValueToText(path, v)}'
-                      for k, v in value.items())
-    return '{' + inner + '}'
-  if value is None or isinstance(value, (bool, int, float, str)):
-    return repr(value)
-  if hasattr(value, 'item') and hasattr(value, 'dtype'):  # numpy scalar
-    return repr(value.item())
-  raise ParamsError(
-      f'Param {path!r} holds a {type(value).__name__} ({value!r}), which '
-      'cannot be written as text. Store a number, string, bool, None, '
-      'list/tuple, dtype, class or nested Params (e.g. a name string for a '
-      'function).')
-
-
-def _ParseLeaf(text: str) -> Any:
-  text = text.strip()
-  if text.startswith('tf.'):
-    return tf.as_dtype(text[3:])
-  if text.startswith('type/'):
-    module, _, name = text[5:].rpartition('.')
-    try:
-      obj: Any = importlib.import_module(module)
-    except ImportError:
-      # Nested classes: import the longest importable prefix.
-      parts = text[5:].split('.')
-      for cut in range(len(parts) - 1, 0, -1):
-        try:
-          obj = importlib.import_module('.'.join(parts[:cut]))
-          for attr in parts[cut:]:
-            obj = getattr(obj, attr)
-          return obj
-        except (ImportError, AttributeError):
-          continue
-      raise
-    for attr in name.split('.'):
-      obj = getattr(obj, attr)
-    return obj
-  if text in ('inf', '-inf', 'nan'):
-    return float(text)
-  return ast.literal_eval(text)
-
-
-def _SplitTopLevel(text: str) -> list[str]:
-  """Splits 'a, (b, c), [d]' at top-level commas."""
-  parts, depth, cur, quote = [], 0, [], ''
-  for ch in text:
-    if quote:
-      cur.append(ch)
-      if ch == quote:
-        quote = ''
-      continue
-    if ch in '\'"':
-      quote = ch
-    elif ch in '([{':
-      depth += 1
-    elif ch in ')]}':
-      depth -= 1
-    if ch == ',' and depth == 0:
-      parts.append(''.join(cur))
-      cur = []
-    else:
-      cur.append(ch)
-  if ''.join(cur).strip():
-    parts.append(''.join(cur))
-  return parts
-
-
-def _ParseText(text: str) -> Any:
-  text = text.strip()
-  if len(text) >= 2 and text[0] in '[(' and text[-1] in '])' and (
-      'tf.' in text or 'type/' in text):
-    items = [_ParseText(t) for t in _SplitTopLevel(text[1:-1])]
-    return items if text[0] == '[' else tuple(items)
-  return _ParseLeaf(text)
-
-
-def _ParseValue(text: str, old: Any, path: str) -> Any:
-  """Parses `text` into the type of `old` (the value it replaces)."""
-  try:
-    value = _ParseText(text)
-  except (ValueError, SyntaxError, ImportError, AttributeError, TypeError):
-    if isinstance(old, str) or old is None:
-      return text  # An unquoted string, as users type on the command line.
-    raise ParamsError(f'Cannot parse {path} : {text!r} as '
-                      f'{type(old).__name__}.') from None
-  if old is None or value is None:
-    return value
-  if isinstance(old, bool):
-    ok = isinstance(value, bool)
-  elif isinstance(old, int):
-    ok = isinstance(value, int) and not isinstance(value, bool)
-  elif isinstance(old, float):
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-    value = float(value) if ok else value
-  elif isinstance(old, str):
-    ok = isinstance(value, str)
-    if not ok:
-      value, ok = text, True  # e.g. 'adam' typed without quotes
-  elif isinstance(old, tf.DType):
-    ok = isinstance(value, tf.DType)
-  elif isinstance(old, type):
-    ok = isinstance(value, type)
-  elif isinstance(old, (list, tuple)):
-    ok = isinstance(value, (list, tuple))
-    if ok:
-      value = type(old)(value)
-  else:
-    ok = True
-  if not ok:
-    raise ParamsError(
-        f'Param {path!r}: text {text!r} is a {type(value).__name__}, '
-        f'expected {type(old).__name__} (current value {old!r}).')
-  return value
+    out[path] = params_text.ValueToText(path, value)

@@ -25,13 +25,14 @@ def BatchSize(inputs: Any, batch_dim: int, where: str) -> int | tf.Tensor:
     raise MicroBatchError(f'{where}: the pipeline got no input tensors.')
   sizes = set()
   for i, leaf in enumerate(leaves):
-    if leaf.shape.rank is not None and leaf.shape.rank <= batch_dim:
+    shape = tf.TensorShape(getattr(leaf, 'shape', []))  # numpy too
+    if shape.rank is not None and shape.rank <= batch_dim:
       raise MicroBatchError(
-          f'{where}: input leaf {i} has shape {leaf.shape}, which has no '
+          f'{where}: input leaf {i} has shape {shape}, which has no '
           f'batch dimension {batch_dim}. Every tensor that crosses a '
           'pipeline boundary must carry the batch; set p.batch_dim or '
           'broadcast the tensor over the batch.')
-    sizes.add(leaf.shape[batch_dim])
+    sizes.add(shape[batch_dim] if shape.rank is not None else None)
   static = {s for s in sizes if s is not None}
   if len(static) > 1:
     raise MicroBatchError(
@@ -45,7 +46,11 @@ def BatchSize(inputs: Any, batch_dim: int, where: str) -> int | tf.Tensor:
 def NumMicroBatches(batch_size: int | tf.Tensor, num_micro_batches: int,
                     micro_batch_size: int | None, where: str) -> int:
   """M from the params, checked against the batch size N."""
-  if micro_batch_size:
+  if micro_batch_size is not None:
+    if micro_batch_size < 1:
+      raise MicroBatchError(
+          f'{where}: micro_batch_size must be ≥ 1 (or None to use '
+          f'num_micro_batches), got {micro_batch_size}.')
     if not isinstance(batch_size, int):
       raise MicroBatchError(
           f'{where}: micro_batch_size={micro_batch_size} needs a static batch '
@@ -55,7 +60,13 @@ def NumMicroBatches(batch_size: int | tf.Tensor, num_micro_batches: int,
           f'{where}: batch size {batch_size} is not a multiple of '
           f'micro_batch_size={micro_batch_size}; use a batch size that is, '
           'or set num_micro_batches.')
-    return batch_size // micro_batch_size
+    m = batch_size // micro_batch_size
+    if num_micro_batches not in (1, m):
+      raise MicroBatchError(
+          f'{where}: micro_batch_size={micro_batch_size} gives '
+          f'num_micro_batches={m} for batch size {batch_size}, but '
+          f'num_micro_batches={num_micro_batches} is set too; set only one.')
+    return m
   m = num_micro_batches
   if m < 1:
     raise MicroBatchError(f'{where}: num_micro_batches must be ≥ 1, got {m}.')
@@ -90,11 +101,12 @@ def Concat(micro_outputs: list[Any], batch_dim: int) -> Any:
     return micro_outputs[0]
   flat = [tf.nest.flatten(o) for o in micro_outputs]
   for i, leaf in enumerate(flat[0]):
-    if leaf.shape.rank == 0:
+    if leaf.shape.rank is not None and leaf.shape.rank <= batch_dim:
+      what = 'is a scalar' if leaf.shape.rank == 0 else (
+          f'has shape {leaf.shape}, no batch dimension {batch_dim}')
       raise MicroBatchError(
-          f'Pipeline output leaf {i} is a scalar, so micro-batch outputs '
-          'cannot be concatenated. Keep the batch dimension in the last '
-          'stage (e.g. return per-example losses and reduce them outside '
-          'the pipeline).')
+          f'Pipeline output leaf {i} {what}, so micro-batch outputs cannot '
+          'be concatenated. Keep the batch dimension in the last stage (e.g. '
+          'return per-example losses and reduce them outside the pipeline).')
   joined = [tf.concat(list(parts), axis=batch_dim) for parts in zip(*flat)]
   return tf.nest.pack_sequence_as(micro_outputs[0], joined)

@@ -10,6 +10,7 @@ flattens and packs with `tf.nest` (keys in sorted order), so it can cross
 from __future__ import annotations
 
 import difflib
+import re
 from typing import Any, Callable, Iterator
 
 import tensorflow as tf
@@ -25,7 +26,7 @@ class NestedMap(dict):
   [('child.b', 2), ('w', 1)]
   """
 
-  _RESERVED = frozenset(dir(dict))
+  _RESERVED = frozenset(dir(dict))  # Plus NestedMap's own; see below.
 
   def __init__(self, *args: Any, **kwargs: Any) -> None:
     super().__init__(*args, **kwargs)
@@ -38,7 +39,8 @@ class NestedMap(dict):
       raise ValueError(f'NestedMap keys must be identifiers, got {key!r}.')
     if key in cls._RESERVED:
       raise ValueError(
-          f'NestedMap key {key!r} shadows a dict method; rename it.')
+          f'NestedMap key {key!r} shadows a NestedMap (dict) method; '
+          'rename it.')
 
   def __setitem__(self, key: str, value: Any) -> None:
     self._CheckKey(key)
@@ -87,11 +89,32 @@ class NestedMap(dict):
     return tf.nest.map_structure(fn, self)
 
   def GetItem(self, path: str) -> Any:
-    """The leaf or subtree at a dotted path, e.g. 'encoder.fc.w'."""
+    """The leaf or subtree at a `FlattenItems` path: 'fc.w', 'layers[1].b'.
+
+    Raises:
+      KeyError: no such path; the message names the missing part.
+    """
     node: Any = self
-    for part in path.split('.'):
-      node = node[part]
+    for token in re.findall(r'[^.\[\]]+|\[\d+\]', path):
+      if token.startswith('['):
+        index = int(token[1:-1])
+        if not isinstance(node, (list, tuple)) or index >= len(node):
+          size = len(node) if isinstance(node, (list, tuple)) else 'n/a'
+          raise KeyError(f'{path!r}: {token} is not an index of this '
+                         f'{type(node).__name__} (length {size}).')
+        node = node[index]
+      elif isinstance(node, dict) and token in node:
+        node = node[token]
+      else:
+        keys = sorted(node) if isinstance(node, dict) else []
+        close = difflib.get_close_matches(token, keys, n=3)
+        hint = f' Did you mean {", ".join(close)}?' if close else ''
+        raise KeyError(f'{path!r}: no key {token!r} (keys: {keys}).{hint}')
     return node
+
+
+# Keys that a method would shadow: m.Flatten must stay the method.
+NestedMap._RESERVED = frozenset(dir(NestedMap))  # pylint: disable=W0212
 
 
 def _Items(node: Any, prefix: str) -> Iterator[tuple[str, Any]]:
