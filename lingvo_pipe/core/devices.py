@@ -56,3 +56,32 @@ def DefaultDevices(num_stages: int) -> list[str]:
       f'{num_stages} stages need {num_stages} devices; found {len(cpus)} '
       'logical CPU devices and no accelerators. Pass devices explicitly or '
       f'call ConfigureLogicalCpus({num_stages}) at start-up.')
+
+
+def _Key(name: str) -> tuple[str, str, int, str, int]:
+  spec = tf.DeviceSpec.from_string(name)
+  job = spec.job or 'localhost'
+  return (job, str(spec.replica or 0), spec.task or 0,
+          (spec.device_type or 'CPU').upper(), spec.device_index or 0)
+
+
+def CheckDevices(names: list[str], where: str) -> None:
+  """Raises DeviceError naming any device TensorFlow does not know.
+
+  Without this check soft placement silently runs a misspelt or missing
+  stage device (e.g. '/device:CPU:7' on a 2-device host) somewhere else.
+  """
+  known = {_Key(d.name) for d in tf.config.list_logical_devices()}
+  for i, name in enumerate(names):
+    try:
+      key = _Key(name)
+    except ValueError as e:
+      raise DeviceError(f'{where}: devices[{i}]={name!r} is not a device '
+                        f'string ({e}); use e.g. "/device:CPU:1", "/GPU:0" '
+                        'or "/job:worker/task:1/device:CPU:0".') from e
+    if key not in known:
+      raise DeviceError(
+          f'{where}: devices[{i}]={name!r} does not exist; known devices: '
+          f'{sorted(d.name for d in tf.config.list_logical_devices())}. '
+          'Start enough logical CPU devices (--num_logical_cpu_devices), '
+          'connect to the cluster first, or fix the name.')

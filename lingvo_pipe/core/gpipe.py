@@ -169,6 +169,7 @@ class PipeliningLayer(base_layer.BaseLayer):
       raise PipelineError(
           f'{self.path}: {k} stages but only {len(p.devices)} devices '
           f'{list(p.devices)}; give one device per stage.')
+    devices_lib.CheckDevices(list(p.devices[:k]), self.path)
     return list(p.devices[:k])
 
   def _CreateStages(self) -> None:

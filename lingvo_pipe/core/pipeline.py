@@ -19,10 +19,17 @@ Why each detail is there (each was a silent failure when missing):
   incoming gradient. Otherwise Grappler's common-subexpression elimination
   merges the recompute with the original forward and the activations stay
   alive for the whole step — recompute then saves no memory.
-* Each device's work is chained in schedule order with control
-  dependencies (forward m after forward m−1; backward m after backward m+1).
-  Left to itself the dataflow executor runs micro-batches out of order, and
-  peak memory grows with M instead of shrinking.
+* Each device's work is chained in schedule order (forward m after forward
+  m−1; backward m after backward m+1). Left to itself the dataflow executor
+  runs micro-batches out of order, and peak memory grows with M instead of
+  shrinking. The chain is a *data* dependency (the previous op's outputs are
+  inputs of the next): TF drops control dependencies on the call of an
+  inlined `tf.function`, which silently restored the out-of-order peak.
+* Each stage's forward and its recompute + backward are `tf.function`s
+  traced once and called per micro-batch, so tracing costs O(K), not
+  O(K·M). (Stages that keep their activations — recompute 'never', or the
+  last stage with 'except_last' — need the forward's tape, so they are
+  emitted inline.)
 * The gradient of the *whole* output is split across micro-batches, so a
   loss that is Σ per-example / N gives exact gradients; nothing is rescaled.
 * Statistics (BatchNorm's sums) are collected in the forward only, summed
@@ -63,38 +70,77 @@ def _Differentiable(x: tf.Tensor) -> bool:
   return x.dtype.is_floating or x.dtype.is_complex
 
 
-def _Chained(x: Any, after: list[tf.Tensor]) -> Any:
-  """`x` (a nest) behind identities that wait for `after`."""
-  if not after:
-    return tf.nest.map_structure(tf.identity, x)
-  with tf.control_dependencies(after):
-    return tf.nest.map_structure(tf.identity, x)
-
-
 def _Float(leaves: Sequence[tf.Tensor]) -> list[tf.Tensor]:
-  return [x for x in leaves if _Differentiable(x)]
+  return [x for x in leaves if x is not None and _Differentiable(x)]
 
 
-class _Clock:
-  """Brackets ops with `tf.timestamp()` when a timeline is recorded."""
+def _Chained(x: Any, after: Sequence[tf.Tensor]) -> Any:
+  """`x` (a nest) behind identities that wait for `after`."""
+  with tf.control_dependencies(list(after)):
+    return tf.nest.map_structure(tf.identity, x)
 
-  def __init__(self, timeline: list[Any] | None) -> None:
-    self.timeline = timeline
 
-  def Start(self, inputs: Any) -> list[tf.Tensor]:
-    """A timestamp taken once `inputs` exist; later ops wait for it."""
-    if self.timeline is None:
-      return []
-    with tf.control_dependencies(_Float(tf.nest.flatten(inputs))):
-      return [tf.timestamp()]
+def _Index(m: int) -> tf.Tensor:
+  """Micro-batch index m as a tensor that Grappler will not constant-fold.
 
-  def Stop(self, key: tuple[int, int, str], start: list[tf.Tensor],
-           outputs: Any) -> None:
-    if self.timeline is None:
-      return
-    with tf.control_dependencies(
-        [x for x in tf.nest.flatten(outputs) if x is not None]):
-      self.timeline.append((*key, start[0], tf.timestamp()))
+  A constant argument makes Grappler specialise the called stage function
+  per value — M optimised copies of every stage body, which made the first
+  call of a K=1, M=8 Transformer step take ~20 s instead of ~1 s.
+  """
+  return tf.compat.v1.placeholder_with_default(tf.constant(m, tf.int32), [])
+
+
+def _Stamp(after: Sequence[tf.Tensor]) -> tf.Tensor:
+  """`tf.timestamp()` taken once `after` exist."""
+  with tf.control_dependencies(list(after)):
+    return tf.timestamp()
+
+
+class _StageOps:
+  """The ops of one stage: traced forward and recompute+backward bodies."""
+
+  def __init__(self, builder: '_Builder', stage: Stage) -> None:
+    self.b = builder
+    self.stage = stage
+    # Eagerly (debugging, tests) the bodies run op by op: tracing them per
+    # call would only add time.
+    wrap = ((lambda f: f) if tf.executing_eagerly() else
+            (lambda f: tf.function(f, autograph=False, experimental_attributes={'_noinline': True})))
+    self.forward = wrap(self._Forward)
+    self.backward = wrap(self._Backward)
+
+  def _Forward(self, theta: Any, x: Any, m: tf.Tensor, step: tf.Tensor
+              ) -> tuple[Any, dict[str, Any], list[tf.Tensor]]:
+    times = [_Stamp(_Float(tf.nest.flatten(x)))] if self.b.timed else []
+    collector = StatsCollector()
+    with self.b.Scope(m, collector, step), tf.control_dependencies(times):
+      y = self.stage.fprop(theta, x)
+    if self.b.timed:
+      times.append(_Stamp(_Float(tf.nest.flatten(y))))
+    return y, collector.stats, times
+
+  def _Backward(self, theta: Any, x: Any, dys: list[tf.Tensor],
+                after: list[tf.Tensor], m: tf.Tensor, step: tf.Tensor
+               ) -> tuple[list[tf.Tensor], Any, list[tf.Tensor]]:
+    # The recompute waits for the incoming gradient (else Grappler merges it
+    # with the forward) and for this device's previous backward (order).
+    x = _Chained(x, list(dys) + list(after))
+    times = [_Stamp(_Float(tf.nest.flatten(x)))] if self.b.timed else []
+    with tf.GradientTape() as tape, tf.control_dependencies(times):
+      x_float = _Float(tf.nest.flatten(x))
+      tape.watch([x_float, theta])
+      with self.b.Scope(m, None, step):
+        y = self.stage.fprop(theta, x)
+    targets = _Float(tf.nest.flatten(y))
+    if self.b.timed:
+      times.append(_Stamp(targets))
+    with tf.control_dependencies(times[1:]):
+      dx, dtheta = tape.gradient(
+          targets, (x_float, theta), output_gradients=list(dys),
+          unconnected_gradients=tf.UnconnectedGradients.ZERO)
+    if self.b.timed:
+      times.append(_Stamp(tf.nest.flatten((dx, dtheta))))
+    return dx, dtheta, times
 
 
 class _Builder:
@@ -109,24 +155,46 @@ class _Builder:
     self.m = num_micro_batches
     self.recompute = recompute
     self.batch_dim = batch_dim
-    self.ctx = fprop_context.Current()
-    self.step = tf.convert_to_tensor(self.ctx.step)
+    ctx = fprop_context.Current()
+    self.step = tf.compat.v1.placeholder_with_default(
+        tf.cast(ctx.step, tf.int64), [])  # Not folded: see _Index.
+    self.timeline = ctx.timeline
+    self.timed = ctx.timeline is not None
+    self.ops = [_StageOps(self, stage) for stage in stages]
     k = len(stages)
     self.boundary: list[list[Any]] = [[None] * self.m for _ in range(k)]
     self.outputs: list[list[Any]] = [[None] * self.m for _ in range(k)]
     self.tapes: dict[tuple[int, int], tf.GradientTape] = {}
-    self.clock = _Clock(self.ctx.timeline)
 
-  def _Keeps(self, k: int) -> bool:
+  def Keeps(self, k: int) -> bool:
     """True if stage k keeps its forward activations (no recompute)."""
     last = k == len(self.stages) - 1
     return self.recompute == 'never' or (self.recompute == 'except_last' and
                                          last)
 
-  def _Scope(self, m: int, stats: StatsCollector | None) -> Any:
+  def Scope(self, m: Any, stats: StatsCollector | None, step: Any) -> Any:
     return fprop_context.Scope(
-        training=True, step=self.step, micro_batch_index=m,
+        training=True, step=step, micro_batch_index=m,
         num_micro_batches=self.m, batch_dim=self.batch_dim, stats=stats)
+
+  def _Record(self, k: int, m: int, kinds: str,
+              times: list[tf.Tensor]) -> None:
+    if self.timed:
+      for i, kind in enumerate(kinds):
+        self.timeline.append((k, m, kind, times[i], times[i + 1]))
+
+  def _KeptForward(self, k: int, m: int, theta: Any, x: Any) -> Any:
+    """Inline forward under a tape that the backward will reuse."""
+    times = [_Stamp(_Float(tf.nest.flatten(x)))] if self.timed else []
+    collector = StatsCollector()
+    with tf.GradientTape() as tape, tf.control_dependencies(times):
+      tape.watch(_Float(tf.nest.flatten((x, theta))))
+      with self.Scope(m, collector, self.step):
+        y = self.stages[k].fprop(theta, x)
+    self.tapes[(k, m)] = tape
+    if self.timed:
+      times.append(_Stamp(_Float(tf.nest.flatten(y))))
+    return y, collector.stats, times
 
   def Forward(self, inputs: tuple[Any, ...], thetas: list[Any]
              ) -> tuple[list[Any], list[dict[str, Any]]]:
@@ -138,61 +206,49 @@ class _Builder:
       after: list[tf.Tensor] = []
       for m in range(self.m):
         with tf.device(stage.device):
-          x = _Chained(micro[m], after)
+          x = _Chained(micro[m], after)  # Forward m after forward m−1.
           self.boundary[k][m] = x
-          collector = StatsCollector()
-          start = self.clock.Start(x)
-          with self._Scope(m, collector), tf.control_dependencies(start):
-            if self._Keeps(k):
-              with tf.GradientTape() as tape:
-                tape.watch(_Float(tf.nest.flatten((x, thetas[k]))))
-                y = stage.fprop(thetas[k], x)
-              self.tapes[(k, m)] = tape
-            else:
-              y = stage.fprop(thetas[k], x)
-          self.clock.Stop((k, m, 'F'), start, y)
-          totals.Merge(collector.stats)
+          if self.Keeps(k):
+            y, stats, times = self._KeptForward(k, m, thetas[k], x)
+          else:
+            y, stats, times = self.ops[k].forward(
+                thetas[k], x, _Index(m), self.step)
+          self._Record(k, m, 'F', times)
+          totals.Merge(stats)
         self.outputs[k][m] = y
-        after = tf.nest.flatten(y)
+        after = _Float(tf.nest.flatten(y))
       micro = self.outputs[k]
       stage_stats.append(totals.stats)
     return self.outputs[-1], stage_stats
 
-  def _StageBackward(self, k: int, m: int, dy: Any, thetas: list[Any],
+  def _StageBackward(self, k: int, m: int, dy: Any, theta: Any,
                      after: list[tf.Tensor]) -> tuple[Any, Any]:
     """Recompute (unless kept) and backward of stage k, micro-batch m."""
-    stage = self.stages[k]
-    y_leaves = tf.nest.flatten(self.outputs[k][m])
-    dy_leaves = tf.nest.flatten(dy)
     targets, grads = [], []
-    for y, g in zip(y_leaves, dy_leaves):
+    for y, g in zip(tf.nest.flatten(self.outputs[k][m]), tf.nest.flatten(dy)):
       if _Differentiable(y):
         targets.append(y)
         grads.append(tf.zeros_like(y) if g is None else g)
-    wait = [g for g in grads] + after
     x = self.boundary[k][m]
-    if self._Keeps(k):
-      tape = self.tapes.pop((k, m))
+    if self.Keeps(k):
+      wait = grads + after
+      times = [_Stamp(wait)] if self.timed else []
+      with tf.control_dependencies(wait + times):
+        dx_float, dtheta = self.tapes.pop((k, m)).gradient(
+            targets, (_Float(tf.nest.flatten(x)), theta),
+            output_gradients=grads,
+            unconnected_gradients=tf.UnconnectedGradients.ZERO)
+      if self.timed:
+        times.append(_Stamp(tf.nest.flatten((dx_float, dtheta))))
+      self._Record(k, m, 'B', times)
     else:
-      x = _Chained(x, wait)
-      start = self.clock.Start(x)
-      with tf.GradientTape() as tape, tf.control_dependencies(start):
-        tape.watch(_Float(tf.nest.flatten((x, thetas[k]))))
-        with self._Scope(m, stats=None):
-          y = stage.fprop(thetas[k], x)
-      targets = [t for t in tf.nest.flatten(y) if _Differentiable(t)]
-      self.clock.Stop((k, m, 'R'), start, targets)
-      wait = wait + targets if self.clock.timeline is not None else wait
-    x_leaves = tf.nest.flatten(x)
-    x_float = [v for v in x_leaves if _Differentiable(v)]
-    start = self.clock.Start(wait)
-    with tf.control_dependencies(wait + start):
-      dx_float, dtheta = tape.gradient(
-          targets, (x_float, thetas[k]), output_gradients=grads,
-          unconnected_gradients=tf.UnconnectedGradients.ZERO)
-    self.clock.Stop((k, m, 'B'), start, (dx_float, dtheta))
+      # (`after` is never empty, so the body is traced once, not twice.)
+      dx_float, dtheta, times = self.ops[k].backward(
+          theta, x, grads, after or [tf.zeros([])], _Index(m), self.step)
+      self._Record(k, m, 'RB', times)
     it = iter(dx_float)
-    dx = [next(it) if _Differentiable(v) else None for v in x_leaves]
+    dx = [next(it) if _Differentiable(v) else None
+          for v in tf.nest.flatten(x)]
     return tf.nest.pack_sequence_as(x, dx), dtheta
 
   def Backward(self, dys: list[Any], thetas: list[Any]
@@ -204,11 +260,11 @@ class _Builder:
     for k in reversed(range(num_stages)):
       grads_out: list[Any] = [None] * self.m
       after: list[tf.Tensor] = []
-      for m in reversed(range(self.m)):
+      for m in reversed(range(self.m)):  # Backward m after backward m+1.
         with tf.device(self.stages[k].device):
           dy = tf.nest.map_structure(
               lambda g: g if g is None else tf.identity(g), grads_in[m])
-          dx, dtheta = self._StageBackward(k, m, dy, thetas, after)
+          dx, dtheta = self._StageBackward(k, m, dy, thetas[k], after)
           if theta_grads[k] is None:
             theta_grads[k] = dtheta
           else:
@@ -220,6 +276,7 @@ class _Builder:
     return grads_in, theta_grads
 
 
+@tf.autograph.experimental.do_not_convert  # Graph code already; see below.
 def Run(stages: list[Stage], inputs: tuple[Any, ...], num_micro_batches: int,
         recompute: str = 'always', batch_dim: int = 0) -> Any:
   """Pipelined, differentiable forward of `stages` over `inputs`.
@@ -234,6 +291,10 @@ def Run(stages: list[Stage], inputs: tuple[Any, ...], num_micro_batches: int,
       'except_last' (the last stage keeps its activations: its backward
       follows its forward immediately) or 'never'.
     batch_dim: The batch dimension of every leaf.
+
+  AutoGraph is kept out (users' `tf.function`s convert by default): the
+  pipeline is explicit graph code, and converting it and every layer under
+  it only slows tracing and, in one run, broke on a converted constructor.
 
   Returns:
     The last stage's outputs for the whole batch (micro-batches concatenated).

@@ -16,8 +16,10 @@ whole mini-batch and moves the averages once:
 
 `var = E[x²] − E[x]²` cancels catastrophically in float32 when |mean| ≫ std
 and the sums run over many micro-batches, so the sums are accumulated in
-`p.stats_dtype` (float64 by default: a per-channel reduction, cheap next to
-the convolutions around it; set float32 on hardware without float64).
+`p.stats_dtype` (float64 by default; set float32 on hardware without
+float64). Only the reported sums use it: normalisation itself uses the
+micro-batch's moments in the compute dtype, and the sums are computed only
+when a collector listens (never in the recompute) and carry no gradient.
 
 In training each micro-batch is normalised by its *own* statistics (as in
 GPipe); only the moving averages see the whole mini-batch.
@@ -93,10 +95,17 @@ class BatchNormLayer(base_layer.BaseLayer):
     dtype = self.fprop_dtype
     x = tf.cast(x, dtype)
     _CheckInput(self.path, x.shape, p.dim, 'dim')
-    if fprop_context.Current().training:
-      stats = _SufficientStats(x, p.stats_dtype)
-      self.AddStats(tf.nest.map_structure(tf.stop_gradient, stats))
-      mean, variance = _MeanVariance(stats.count, stats.sum, stats.sum_sq)
+    ctx = fprop_context.Current()
+    if ctx.training:
+      # Normalise by this micro-batch's moments in the compute dtype (the
+      # gradient flows through them); report the sums for the moving
+      # averages in stats_dtype, off the gradient path and only when a
+      # collector listens (not during the pipeline's recompute).
+      axes = list(range(x.shape.rank - 1))
+      mean, variance = tf.nn.moments(x, axes)
+      if ctx.stats is not None:
+        self.AddStats(tf.nest.map_structure(
+            tf.stop_gradient, _SufficientStats(x, p.stats_dtype)))
     else:
       mean, variance = theta.moving_mean, theta.moving_variance
     mean, variance = tf.cast(mean, dtype), tf.cast(variance, dtype)
