@@ -90,6 +90,23 @@ def _Index(m: int) -> tf.Tensor:
   return tf.compat.v1.placeholder_with_default(tf.constant(m, tf.int32), [])
 
 
+def _Unordered(outputs: Sequence[tf.Tensor]) -> None:
+  """Exempts the ops producing `outputs` from tf.function's ordering.
+
+  With a timeline the stage bodies hold `tf.timestamp()`, a stateful op, so
+  their calls become stateful, and tf.function's automatic control
+  dependencies chain every stateful op in program order — all stages in one
+  sequence, no overlap. The calls are already ordered by data; mark them
+  independent instead.
+  """
+  if not outputs or tf.executing_eagerly():
+    return
+  manager = getattr(outputs[0].graph, 'experimental_acd_manager', None)
+  if manager is not None:
+    for op in {t.op for t in outputs}:
+      manager.run_independently(op)
+
+
 def _Stamp(after: Sequence[tf.Tensor]) -> tf.Tensor:
   """`tf.timestamp()` taken once `after` exist."""
   with tf.control_dependencies(list(after)):
@@ -111,6 +128,20 @@ class _StageOps:
 
   def _Forward(self, theta: Any, x: Any, m: tf.Tensor, step: tf.Tensor
               ) -> tuple[Any, dict[str, Any], list[tf.Tensor]]:
+    with tf.device(self.stage.device):
+      return self._ForwardOnDevice(theta, x, m, step)
+
+  def _Backward(self, theta: Any, x: Any, dys: list[tf.Tensor],
+                after: list[tf.Tensor], m: tf.Tensor, step: tf.Tensor
+               ) -> tuple[list[tf.Tensor], Any, list[tf.Tensor]]:
+    # A called function's ops do not inherit the caller's device scope: left
+    # unpinned they ran on the client, serialising remote stages.
+    with tf.device(self.stage.device):
+      return self._BackwardOnDevice(theta, x, dys, after, m, step)
+
+  def _ForwardOnDevice(self, theta: Any, x: Any, m: tf.Tensor,
+                       step: tf.Tensor
+                      ) -> tuple[Any, dict[str, Any], list[tf.Tensor]]:
     times = [_Stamp(_Float(tf.nest.flatten(x)))] if self.b.timed else []
     collector = StatsCollector()
     with self.b.Scope(m, collector, step), tf.control_dependencies(times):
@@ -119,9 +150,9 @@ class _StageOps:
       times.append(_Stamp(_Float(tf.nest.flatten(y))))
     return y, collector.stats, times
 
-  def _Backward(self, theta: Any, x: Any, dys: list[tf.Tensor],
-                after: list[tf.Tensor], m: tf.Tensor, step: tf.Tensor
-               ) -> tuple[list[tf.Tensor], Any, list[tf.Tensor]]:
+  def _BackwardOnDevice(self, theta: Any, x: Any, dys: list[tf.Tensor],
+                        after: list[tf.Tensor], m: tf.Tensor, step: tf.Tensor
+                       ) -> tuple[list[tf.Tensor], Any, list[tf.Tensor]]:
     # The recompute waits for the incoming gradient (else Grappler merges it
     # with the forward) and for this device's previous backward (order).
     x = _Chained(x, list(dys) + list(after))
@@ -199,7 +230,8 @@ class _Builder:
   def Forward(self, inputs: tuple[Any, ...], thetas: list[Any]
              ) -> tuple[list[Any], list[dict[str, Any]]]:
     """Emits all forwards; returns per-micro-batch outputs and stage stats."""
-    micro = microbatch.Split(inputs, self.m, self.batch_dim)
+    with tf.device(self.stages[0].device):  # Not on the client.
+      micro = microbatch.Split(inputs, self.m, self.batch_dim)
     stage_stats = []
     for k, stage in enumerate(self.stages):
       totals = StatsCollector()
@@ -213,6 +245,7 @@ class _Builder:
           else:
             y, stats, times = self.ops[k].forward(
                 thetas[k], x, _Index(m), self.step)
+            _Unordered(times)
           self._Record(k, m, 'F', times)
           totals.Merge(stats)
         self.outputs[k][m] = y
@@ -245,6 +278,7 @@ class _Builder:
       # (`after` is never empty, so the body is traced once, not twice.)
       dx_float, dtheta, times = self.ops[k].backward(
           theta, x, grads, after or [tf.zeros([])], _Index(m), self.step)
+      _Unordered(times)
       self._Record(k, m, 'RB', times)
     it = iter(dx_float)
     dx = [next(it) if _Differentiable(v) else None

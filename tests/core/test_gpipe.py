@@ -323,3 +323,26 @@ def test_fprop_meta_of_whole_pipeline_sums_layers():
   assert meta.flops == sum(m.flops for m in metas)
   assert meta.out_shapes == metas[-1].out_shapes
   assert meta.out_shapes[0].as_list() == [BATCH, 3]
+
+
+def test_timeline_does_not_serialise_the_stages():
+  # Regression: tf.timestamp() made the stage calls stateful, and
+  # tf.function's automatic control dependencies then chained every call in
+  # program order — stage 1 could not start before stage 0 had finished.
+  net, inputs = _Net('nested', num_stages=2, num_micro_batches=4)
+
+  @tf.function
+  def _Step():
+    timeline = []
+    with tf.GradientTape() as tape:
+      with fprop_context.Scope(training=True, step=1, timeline=timeline):
+        loss = _Loss(net.FProp(net.theta, *inputs))
+    tape.gradient(loss, net.theta)
+    return [tf.stack(r[3:]) for r in timeline]
+
+  graph = _Step.get_concrete_function().graph
+  calls = [op for op in graph.get_operations() if 'PartitionedCall' in op.type]
+  assert len(calls) == 2 * 4 * 2  # (forward, backward) per stage, micro-batch.
+  for op in calls:
+    for dep in op.control_inputs:
+      assert 'PartitionedCall' not in dep.type, (op.name, dep.name)
