@@ -301,7 +301,10 @@ class TransparencyReport:
 
 def _RelDiff(got: Any, want: Any) -> tuple[float, int]:
   """Max leaf-wise |got−want| / scale, scale floored at 1e-3 × the largest."""
-  pairs = [(np.asarray(a, np.float64), np.asarray(b, np.float64))
+  def _Dense(x: Any) -> np.ndarray:  # Embedding gradients are IndexedSlices.
+    return np.asarray(tf.convert_to_tensor(x), np.float64)
+
+  pairs = [(_Dense(a), _Dense(b))
            for a, b in zip(tf.nest.flatten(got), tf.nest.flatten(want))]
   top = max((float(np.max(np.abs(b))) for _, b in pairs if b.size),
             default=0.0)

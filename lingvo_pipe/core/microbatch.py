@@ -101,12 +101,15 @@ def Concat(micro_outputs: list[Any], batch_dim: int) -> Any:
     return micro_outputs[0]
   flat = [tf.nest.flatten(o) for o in micro_outputs]
   for i, leaf in enumerate(flat[0]):
-    if leaf.shape.rank is not None and leaf.shape.rank <= batch_dim:
+    if leaf is not None and leaf.shape.rank is not None and (
+        leaf.shape.rank <= batch_dim):
       what = 'is a scalar' if leaf.shape.rank == 0 else (
           f'has shape {leaf.shape}, no batch dimension {batch_dim}')
       raise MicroBatchError(
           f'Pipeline output leaf {i} {what}, so micro-batch outputs cannot '
           'be concatenated. Keep the batch dimension in the last stage (e.g. '
           'return per-example losses and reduce them outside the pipeline).')
-  joined = [tf.concat(list(parts), axis=batch_dim) for parts in zip(*flat)]
+  # None leaves (the gradient of an integer input, say) stay None.
+  joined = [None if parts[0] is None else tf.concat(list(parts), batch_dim)
+            for parts in zip(*flat)]
   return tf.nest.pack_sequence_as(micro_outputs[0], joined)

@@ -1,8 +1,7 @@
 """Fully connected layer: y = act(x·W + b) over the last dimension.
 
 Sequence models feed [B, T, D] tensors and image heads [B, D], so the layer
-contracts only the last dimension and keeps every leading one; a single
-einsum does that without reshapes.
+contracts only the last dimension and keeps every leading one (tensordot).
 
 Cost convention (FPropMeta): the matmul counts 2 flops per multiply-add; the
 bias add and the activation count 1 flop per output element each.
@@ -65,7 +64,11 @@ class FCLayer(base_layer.BaseLayer):
       raise base_layer.LayerError(
           f'{self.path}: input last dim is {x.shape[-1]} (shape {x.shape}) '
           f'but input_dim is {p.input_dim}; set p.input_dim = {x.shape[-1]}.')
-    y = tf.einsum('...i,io->...o', x, tf.cast(theta.w, dtype))
+    w = tf.cast(theta.w, dtype)
+    # Not einsum('...i,io->...o'): its gradient with respect to w took ~100×
+    # longer than tensordot's on the CPU (0.57 s vs 0.005 s, [16,32,256]).
+    y = (tf.matmul(x, w) if x.shape.rank == 2 else
+         tf.tensordot(x, w, axes=1))
     if p.has_bias:
       y += tf.cast(theta.b, dtype)
     return self._act(y)

@@ -21,6 +21,7 @@ from lingvo_pipe.core import gpipe
 from lingvo_pipe.core.nested_map import NestedMap
 from lingvo_pipe.layers import conv
 from lingvo_pipe.layers import dropout
+from lingvo_pipe.layers import embedding
 from lingvo_pipe.layers import linear
 from lingvo_pipe.layers import normalization
 from lingvo_pipe.layers import pooling
@@ -346,3 +347,18 @@ def test_timeline_does_not_serialise_the_stages():
   for op in calls:
     for dep in op.control_inputs:
       assert 'PartitionedCall' not in dep.type, (op.name, dep.name)
+
+
+def test_integer_inputs_and_sparse_gradients():
+  # Regression: the gradient of an int input is None, which the micro-batch
+  # concat choked on; an embedding's gradient is IndexedSlices.
+  layers = [embedding.EmbeddingLayer.Params().Set(
+                name='emb', vocab_size=11, embedding_dim=4),
+            linear.FCLayer.Params().Set(name='fc', input_dim=4, output_dim=3)]
+  p = gpipe.PipeliningLayer.Params().Set(
+      name='net', layers=layers, num_stages=2, num_micro_batches=4,
+      input_shapes=[[BATCH, 3]], devices=DEVICES)
+  ids = tf.constant(np.random.RandomState(2).randint(0, 11, [BATCH, 3]),
+                    tf.int32)
+  report = gpipe.check_transparency(p, (ids,), step=1)
+  assert max(report.loss, report.outputs, report.gradients) < 1e-5, report
