@@ -1,0 +1,1 @@
+"""Translation models: English → Spanish Bible verses (`bible_en_es`)."""

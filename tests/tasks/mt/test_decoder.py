@@ -1,0 +1,151 @@
+"""Greedy and beam search: consistent with the teacher-forced model, and
+beam search finds what exhaustive search finds on a hand-made distribution."""
+
+import itertools
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from lingvo_pipe.core.nested_map import NestedMap
+from tasks.mt import decoder
+from tasks.mt import vocab
+
+PAD, EOS, BOS = vocab.PAD_ID, vocab.EOS_ID, vocab.BOS_ID
+
+
+def _Source(rng, batch, length, vocab_size):
+  lengths = np.array([length, length - 3, 2][:batch])
+  ids = rng.integers(4, vocab_size, size=(batch, length))
+  paddings = (np.arange(length)[None] >= lengths[:, None])
+  ids[paddings] = PAD
+  return tf.constant(ids, tf.int32), tf.constant(paddings, tf.float32)
+
+
+def _Randomise(task, seed=0):
+  """Larger random weights: sharper, input-dependent distributions."""
+  rng = np.random.default_rng(seed)
+  for var in task.trainable_variables:
+    var.assign(rng.normal(scale=0.5, size=var.shape))
+  return task
+
+
+def _TeacherForced(task, src_ids, src_paddings, hyp):
+  """Log-probs [B, T, V] of the full (non-incremental) net fed `hyp`."""
+  hyp = np.asarray(hyp)
+  lengths = np.array([list(r).index(EOS) + 1 if EOS in r else len(r)
+                      for r in hyp])
+  tgt_ids = np.concatenate([np.full((len(hyp), 1), BOS), hyp[:, :-1]], 1)
+  paddings = (np.arange(hyp.shape[1])[None] >= lengths[:, None])
+  batch = NestedMap(src_ids=src_ids, src_paddings=src_paddings,
+                    tgt_ids=tf.constant(tgt_ids, tf.int32),
+                    tgt_paddings=tf.constant(paddings, tf.float32))
+  logits = task.ComputePredictions(task.theta, batch)
+  return tf.nn.log_softmax(logits).numpy(), lengths
+
+
+def test_greedy_equals_argmax_of_teacher_forced_fprop(tiny_task_params):
+  task = _Randomise(tiny_task_params(max_len=10).Instantiate())
+  src_ids, src_paddings = _Source(np.random.default_rng(1), 3, 10,
+                                  task.params.pipeline.layers[0].vocab_size)
+  hyp = task.Decode(task.theta, src_ids, src_paddings).numpy()
+  log_probs, lengths = _TeacherForced(task, src_ids, src_paddings, hyp)
+  assert lengths.max() >= 4  # A real sequence, not an immediate EOS.
+  for row, n in enumerate(lengths):
+    np.testing.assert_array_equal(log_probs[row, :n].argmax(-1),
+                                  hyp[row, :n])
+    assert (hyp[row, n:] == PAD).all()
+
+
+def test_beam_of_one_is_greedy_and_scores_are_log_probs(tiny_task_params):
+  task = _Randomise(tiny_task_params(max_len=10).Instantiate(), seed=2)
+  src_ids, src_paddings = _Source(np.random.default_rng(3), 3, 10,
+                                  task.params.pipeline.layers[0].vocab_size)
+  dec = decoder.PipelineDecoder(task.children.pipeline)
+  theta = task.theta.pipeline
+  memory = dec.Encode(theta, src_ids, src_paddings)
+  step_fn, state = dec.StepFn(theta, memory, src_paddings, 10)
+  greedy = decoder.GreedySearch(step_fn, state, 3, 10).numpy()
+  beam = decoder.BeamSearch(step_fn, state, 3, 1, 10, length_penalty=0.0)
+  np.testing.assert_array_equal(beam.ids.numpy(), greedy)
+  log_probs, lengths = _TeacherForced(task, src_ids, src_paddings, greedy)
+  for row, n in enumerate(lengths):
+    want = log_probs[row, np.arange(n), greedy[row, :n]].sum()
+    assert beam.scores.numpy()[row] == pytest.approx(want, rel=1e-4)
+
+
+# A second-order distribution over 6 ids (PAD, EOS, BOS, a, b, c) where
+# greedy goes wrong: a (.5) is likelier than b (.4) first, but "b c EOS"
+# (.4 × .9 × .95) beats every continuation of "a". The state carries the
+# token before the previous one, so it only works if beams reorder it.
+A, B_, C = 3, 4, 5
+V = 6
+
+
+def _Table():
+  table = np.full((V, V, V), 0.1)
+  table[:, :, EOS] = 0.5
+  table[BOS, BOS] = [0.0, 0.0, 0.0, 0.5, 0.4, 0.1]
+  table[BOS, A] = [0.0, 0.1, 0.0, 0.34, 0.28, 0.28]
+  table[BOS, B_] = [0.0, 0.05, 0.0, 0.0, 0.05, 0.9]
+  table[B_, C] = [0.0, 0.95, 0.0, 0.0, 0.05, 0.0]
+  table[A, :, EOS] = 0.3
+  table = np.maximum(table, 1e-6)
+  return table / table.sum(-1, keepdims=True)
+
+
+def _MarkovStepFn(table):
+  log_table = tf.constant(np.log(table), tf.float32)
+
+  def Step(ids_t, t, state):
+    del t
+    return tf.gather_nd(log_table, tf.stack([state, ids_t], 1)), ids_t
+
+  return Step
+
+
+def _BruteForce(table, max_len, alpha):
+  """Best EOS-terminated sequence by log P / lp(n), by enumeration."""
+  best, best_score = None, -np.inf
+  for n in range(1, max_len + 1):
+    for head in itertools.product([i for i in range(V) if i != EOS],
+                                  repeat=n - 1):
+      prev2, prev, logp = BOS, BOS, 0.0
+      for s in head + (EOS,):
+        logp += np.log(table[prev2, prev, s])
+        prev2, prev = prev, s
+      score = logp / ((5.0 + n) / 6.0) ** alpha
+      if score > best_score:
+        best, best_score = list(head) + [EOS] + [PAD] * (max_len - n), score
+  return best, best_score
+
+
+@pytest.mark.parametrize('alpha', [0.0, 1.0])
+def test_beam_search_finds_the_exhaustive_optimum(alpha):
+  table, max_len = _Table(), 4
+  step_fn = _MarkovStepFn(table)
+  state = tf.fill([2 * 2], BOS)  # 2 sentences × 2 beams.
+  out = decoder.BeamSearch(step_fn, state, 2, 2, max_len, alpha)
+  want, score = _BruteForce(table, max_len, alpha)
+  assert want[:3] == [B_, C, EOS]
+  for row in range(2):
+    assert out.ids.numpy()[row].tolist() == want
+    assert out.scores.numpy()[row] == pytest.approx(score, rel=1e-5)
+  scores = out.beam_scores.numpy()
+  assert (np.diff(scores, axis=1) <= 0).all()
+  greedy = decoder.GreedySearch(step_fn, tf.fill([2], BOS), 2, max_len)
+  assert greedy.numpy()[0, 0] == A  # Greedy commits to "a" and loses.
+
+
+def test_greedy_stops_at_eos_and_pads():
+  table = np.full((V, V, V), 1e-6)
+  table[:, :, A] = 1.0
+  table[:, A, EOS] = 2.0  # After "a": EOS.
+  table /= table.sum(-1, keepdims=True)
+  ids = decoder.GreedySearch(_MarkovStepFn(table), tf.fill([1], BOS), 1, 5)
+  assert ids.numpy().tolist() == [[A, EOS, PAD, PAD, PAD]]
+
+
+def test_beam_search_rejects_bad_settings():
+  with pytest.raises(decoder.DecodeError, match='beam_size'):
+    decoder.BeamSearch(_MarkovStepFn(_Table()), tf.fill([1], BOS), 1, 0, 4)
