@@ -20,11 +20,14 @@ def ConfigureLogicalCpus(num_devices: int) -> None:
   """Splits the CPU into `num_devices` logical devices (before any op runs).
 
   Idempotent: calling again with a number no larger than the configured one
-  is a no-op.
+  is a no-op (it never shrinks an earlier, larger request).
   """
   if num_devices < 1:
     raise DeviceError(f'num_devices must be ≥ 1, got {num_devices}.')
   cpus = tf.config.list_physical_devices('CPU')
+  configured = tf.config.get_logical_device_configuration(cpus[0]) or []
+  if len(configured) >= num_devices:
+    return
   try:
     tf.config.set_logical_device_configuration(
         cpus[0], [tf.config.LogicalDeviceConfiguration()] * num_devices)

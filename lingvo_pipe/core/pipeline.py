@@ -23,8 +23,11 @@ Why each detail is there (each was a silent failure when missing):
   m−1; backward m after backward m+1). Left to itself the dataflow executor
   runs micro-batches out of order, and peak memory grows with M instead of
   shrinking. The chain is a *data* dependency (the previous op's outputs are
-  inputs of the next): TF drops control dependencies on the call of an
-  inlined `tf.function`, which silently restored the out-of-order peak.
+  inputs of the next call, ordered by a control dependency inside it): TF
+  drops control dependencies on the call of an inlined `tf.function`, which
+  silently restored the out-of-order peak, and on TF worker processes a
+  control-dependency chain outside the calls kept stage k+1 from starting
+  before stage k had finished all its forwards (no overlap at all).
 * Each stage's forward and its recompute + backward are `tf.function`s
   traced once and called per micro-batch, so tracing costs O(K), not
   O(K·M). (Stages that keep their activations — recompute 'never', or the
@@ -126,10 +129,11 @@ class _StageOps:
     self.forward = wrap(self._Forward)
     self.backward = wrap(self._Backward)
 
-  def _Forward(self, theta: Any, x: Any, m: tf.Tensor, step: tf.Tensor
+  def _Forward(self, theta: Any, x: Any, after: list[tf.Tensor],
+               m: tf.Tensor, step: tf.Tensor
               ) -> tuple[Any, dict[str, Any], list[tf.Tensor]]:
     with tf.device(self.stage.device):
-      return self._ForwardOnDevice(theta, x, m, step)
+      return self._ForwardOnDevice(theta, _Chained(x, after), m, step)
 
   def _Backward(self, theta: Any, x: Any, dys: list[tf.Tensor],
                 after: list[tf.Tensor], m: tf.Tensor, step: tf.Tensor
@@ -238,13 +242,14 @@ class _Builder:
       after: list[tf.Tensor] = []
       for m in range(self.m):
         with tf.device(stage.device):
-          x = _Chained(micro[m], after)  # Forward m after forward m−1.
-          self.boundary[k][m] = x
-          if self.Keeps(k):
+          # Forward m after forward m−1 on this device.
+          if self.Keeps(k):  # Inline ops: a control dependency orders them.
+            x = self.boundary[k][m] = _Chained(micro[m], after)
             y, stats, times = self._KeptForward(k, m, thetas[k], x)
-          else:
+          else:  # A call: the order is a data input (see the module doc).
+            x = self.boundary[k][m] = _Chained(micro[m], [])
             y, stats, times = self.ops[k].forward(
-                thetas[k], x, _Index(m), self.step)
+                thetas[k], x, after or [tf.zeros([])], _Index(m), self.step)
             _Unordered(times)
           self._Record(k, m, 'F', times)
           totals.Merge(stats)
