@@ -1,0 +1,293 @@
+"""Pictures of one pipelined step: measured, predicted, side by side.
+
+A pipeline's promise is a picture — stage k runs micro-batch m+1 while stage
+k+1 runs m — and its failures are pictures too: a stage that waits for a
+transfer, a backward that starts late, a recompute that runs too early. This
+module makes those pictures from two sources that share one record shape,
+`(stage, micro_batch, kind, start, end)` with times in seconds:
+
+* measured: the engine brackets every forward 'F', recompute 'R' and
+  backward 'B' with `tf.timestamp()` when `fprop_context.Scope(timeline=[])`
+  is open (`record_step` / `StepRecorder` do that and return the records);
+* predicted: `simulator.simulate(...).events`, with stage costs calibrated
+  from the measured op durations (`calibrated_costs`), so the two panels
+  differ only where the real step departs from the schedule (transfers,
+  dispatch gaps, noise).
+
+Outputs: Chrome-trace JSON (chrome://tracing or ui.perfetto.dev; one
+process per panel, one thread per stage, events named 'F3', 'R3', 'B3') and
+a PNG Gantt chart, one row per stage as in the GPipe paper's Figure 2.
+
+    recorder = StepRecorder(net, (x,), loss_fn)
+    recorder()                                    # traces; warm-up
+    measured = recorder()
+    predicted = simulator.simulate(calibrated_costs(measured),
+                                   num_micro_batches=4).events
+    plot_gantt([('measured', measured), ('predicted', predicted)], 'a.png')
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from typing import Any, Callable, Iterable, NamedTuple, Sequence
+
+import tensorflow as tf
+
+from lingvo_pipe.core import fprop_context
+from lingvo_pipe.core import simulator
+
+__all__ = ['KINDS', 'Record', 'StepRecorder', 'TimelineError',
+           'calibrated_costs', 'normalized', 'overlap_fraction', 'plot_gantt',
+           'record_step',
+           'to_chrome_trace', 'write_chrome_trace']
+
+KINDS = ('F', 'R', 'B')
+_COLORS = {'F': '#4C72B0', 'R': '#DD8452', 'B': '#55A868'}
+_NAMES = {'F': 'forward', 'R': 'recompute', 'B': 'backward'}
+
+
+class TimelineError(ValueError):
+  """Records or settings that cannot be drawn; the message says the fix."""
+
+
+class Record(NamedTuple):
+  """One op of a step; the same fields as `simulator.Event`."""
+  stage: int
+  micro_batch: int
+  kind: str  # 'F', 'R' or 'B'.
+  start: float  # Seconds.
+  end: float
+
+
+def _checked(records: Iterable[Any]) -> list[Record]:
+  out = []
+  for i, r in enumerate(records):
+    rec = Record(*r)
+    if rec.kind not in KINDS:
+      raise TimelineError(f'Record {i} {tuple(r)!r} has kind {rec.kind!r}; '
+                          f'kinds are {KINDS}.')
+    if not rec.end >= rec.start:
+      raise TimelineError(f'Record {i} {tuple(r)!r} ends before it starts; '
+                          'give (stage, micro_batch, kind, start, end).')
+    out.append(rec)
+  return out
+
+
+def normalized(records: Iterable[Any]) -> list[Record]:
+  """Records shifted so that the earliest start is 0, sorted by start."""
+  recs = _checked(records)
+  t0 = min((r.start for r in recs), default=0.0)
+  return sorted((r._replace(start=r.start - t0, end=r.end - t0)
+                 for r in recs), key=lambda r: (r.start, r.stage))
+
+
+# ---- Measuring ------------------------------------------------------------
+class StepRecorder:
+  """A compiled training step that returns the engine's timestamps.
+
+  Each call runs forward + `tape.gradient` of `loss_fn(net.FProp(...))`
+  (and `update(grads)` if given) inside one `tf.function`, and returns the
+  step's records, normalized to start at 0. The first call traces; time the
+  later ones.
+  """
+
+  def __init__(self, net: Any, inputs: Sequence[Any],
+               loss_fn: Callable[[Any], tf.Tensor], step: int = 0,
+               update: Callable[[list[Any], list[tf.Tensor]], Any] | None
+               = None) -> None:
+    self._keys: list[tuple[int, int, str]] = []
+    variables = list(net.trainable_variables)
+
+    @tf.function
+    def _Step() -> tf.Tensor:
+      timeline: list[Any] = []
+      with tf.GradientTape() as tape:
+        with fprop_context.Scope(training=True, step=step, timeline=timeline):
+          loss = loss_fn(net.FProp(net.theta, *inputs))
+      grads = tape.gradient(loss, variables)
+      if update is not None:
+        update(variables, grads)
+      if not timeline:
+        raise TimelineError(
+            f'{net.path}: the step recorded no ops; StepRecorder needs a '
+            'PipeliningLayer (or a layer that runs one) as `net`.')
+      self._keys = [(int(k), int(m), str(kind))
+                    for k, m, kind, _, _ in timeline]
+      with tf.control_dependencies(
+          [g for g in grads if g is not None] + [loss]):
+        return tf.stack([tf.stack([s, e]) for _, _, _, s, e in timeline])
+
+    self._fn = _Step
+
+  def __call__(self) -> list[Record]:
+    times = self._fn().numpy()  # [num_records, 2], seconds.
+    return normalized(Record(k, m, kind, float(s), float(e))
+                      for (k, m, kind), (s, e) in zip(self._keys, times))
+
+
+def record_step(net: Any, inputs: Sequence[Any],
+                loss_fn: Callable[[Any], tf.Tensor], step: int = 0,
+                warmup_steps: int = 1) -> list[Record]:
+  """Runs `warmup_steps` + 1 recorded steps; returns the last one's records.
+
+  Args:
+    net: a PipeliningLayer.
+    inputs: its positional inputs for one mini-batch.
+    loss_fn: outputs → scalar loss.
+    step: the training step (seeds dropout).
+    warmup_steps: untimed calls first (the first one traces the graph).
+
+  Returns:
+    One Record per forward, recompute and backward of every (stage,
+    micro-batch), times in seconds from the first op's start.
+  """
+  recorder = StepRecorder(net, inputs, loss_fn, step)
+  for _ in range(warmup_steps):
+    recorder()
+  return recorder()
+
+
+# ---- Predicting -----------------------------------------------------------
+def calibrated_costs(records: Iterable[Any]) -> list[simulator.StageCost]:
+  """Per-stage StageCosts from the median measured F, R and B durations.
+
+  A stage without 'R' records gets recompute = forward (the simulator's
+  default), which is only used if the simulated policy recomputes.
+  """
+  recs = _checked(records)
+  if not recs:
+    raise TimelineError('No records to calibrate from; record a step first.')
+  num_stages = max(r.stage for r in recs) + 1
+  costs = []
+  for k in range(num_stages):
+    med = {}
+    for kind in KINDS:
+      d = [r.end - r.start for r in recs if r.stage == k and r.kind == kind]
+      med[kind] = statistics.median(d) if d else None
+    if med['F'] is None or med['B'] is None:
+      raise TimelineError(f'Stage {k} has no F or no B records; give the '
+                          'records of a whole training step.')
+    costs.append(simulator.StageCost(forward=med['F'], backward=med['B'],
+                                     recompute=med['R']))
+  return costs
+
+
+def overlap_fraction(records: Iterable[Any]) -> float:
+  """Share of the stages' busy time during which another stage is busy too.
+
+  0 means the stages took turns (no pipelining at all); a GPipe step of K
+  equal stages and M micro-batches without transfer gaps predicts about
+  1 - 1/M at K=2. Compare a measured step with its simulated twin.
+  """
+  recs = _checked(records)
+  edges = sorted([(r.start, 1, r.stage) for r in recs] +
+                 [(r.end, -1, r.stage) for r in recs])
+  busy: dict[int, int] = {}
+  total = shared = 0.0
+  last = edges[0][0] if edges else 0.0
+  for t, delta, stage in edges:  # Ends sort before starts at equal times.
+    active = sum(1 for n in busy.values() if n > 0)
+    total += (t - last) * active
+    shared += (t - last) * active if active >= 2 else 0.0
+    busy[stage] = busy.get(stage, 0) + delta
+    last = t
+  return shared / total if total > 0 else 0.0
+
+
+# ---- Chrome trace -----------------------------------------------------------
+def to_chrome_trace(panels: Sequence[tuple[str, Iterable[Any]]]
+                   ) -> dict[str, Any]:
+  """Chrome-trace JSON: one process per panel, one thread per stage.
+
+  Args:
+    panels: (name, records) pairs, e.g. [('measured', recs), ('predicted',
+      sim.events)]; times in seconds.
+
+  Returns:
+    {'traceEvents': [...], 'displayTimeUnit': 'ms'}; complete events ('X')
+    named like 'F3' with ts/dur in microseconds, plus metadata ('M') events
+    naming processes and threads.
+  """
+  events: list[dict[str, Any]] = []
+  for pid, (name, records) in enumerate(panels, start=1):
+    recs = normalized(records)
+    events.append({'ph': 'M', 'name': 'process_name', 'pid': pid, 'tid': 0,
+                   'args': {'name': name}})
+    for k in sorted({r.stage for r in recs}):
+      events.append({'ph': 'M', 'name': 'thread_name', 'pid': pid, 'tid': k,
+                     'args': {'name': f'stage {k}'}})
+      events.append({'ph': 'M', 'name': 'thread_sort_index', 'pid': pid,
+                     'tid': k, 'args': {'sort_index': k}})
+    for r in recs:
+      events.append({
+          'ph': 'X', 'name': f'{r.kind}{r.micro_batch}', 'cat': _NAMES[r.kind],
+          'pid': pid, 'tid': r.stage, 'ts': r.start * 1e6,
+          'dur': (r.end - r.start) * 1e6,
+          'args': {'stage': r.stage, 'micro_batch': r.micro_batch}})
+  return {'traceEvents': events, 'displayTimeUnit': 'ms'}
+
+
+def write_chrome_trace(path: str,
+                       panels: Sequence[tuple[str, Iterable[Any]]]) -> None:
+  """Writes `to_chrome_trace(panels)` to `path`."""
+  with open(path, 'w') as f:
+    json.dump(to_chrome_trace(panels), f)
+
+
+# ---- Gantt chart ----------------------------------------------------------
+def plot_gantt(panels: Sequence[tuple[str, Iterable[Any]]], path: str,
+               title: str = '', share_time_axis: bool = True) -> None:
+  """A PNG Gantt chart: one panel per (name, records), one row per stage.
+
+  Boxes are coloured by kind (forward, recompute, backward) and labelled with
+  the micro-batch index where they are wide enough; time is in ms from the
+  panel's first op. Stage 0 is the top row, so GPipe's fill shows as a
+  diagonal running down and to the right.
+  """
+  import matplotlib  # Late: only the pictures need it.
+  matplotlib.use('Agg')
+  from matplotlib import patches
+  from matplotlib import pyplot as plt
+
+  data = [(name, normalized(recs)) for name, recs in panels]
+  if not data or not any(recs for _, recs in data):
+    raise TimelineError('plot_gantt got no records; give (name, records) '
+                        'pairs with at least one record.')
+  num_stages = max(r.stage for _, recs in data for r in recs) + 1
+  fig, axes = plt.subplots(
+      len(data), 1, sharex=share_time_axis, squeeze=False,
+      figsize=(11, 0.5 + len(data) * (0.9 + 0.45 * num_stages)))
+  span = max((r.end for _, recs in data for r in recs), default=1.0) * 1e3
+  for ax, (name, recs) in zip(axes[:, 0], data):
+    _draw_panel(ax, name, recs, num_stages, span)
+  axes[-1, 0].set_xlabel('time (ms)')
+  kinds = [k for k in KINDS if any(r.kind == k for _, rs in data for r in rs)]
+  fig.legend(handles=[patches.Patch(color=_COLORS[k], label=_NAMES[k])
+                      for k in kinds], loc='upper right', ncol=len(kinds),
+             frameon=False)
+  if title:
+    fig.suptitle(title, x=0.01, ha='left', fontsize=11)
+  fig.tight_layout(rect=(0, 0, 1, 0.94))
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+def _draw_panel(ax: Any, name: str, recs: list[Record], num_stages: int,
+                span_ms: float) -> None:
+  """One panel: a row per stage, a labelled box per record."""
+  end_ms = max((r.end for r in recs), default=0.0) * 1e3
+  ax.set_title(f'{name} — step {end_ms:.1f} ms', loc='left', fontsize=10)
+  for r in recs:
+    x, w = r.start * 1e3, (r.end - r.start) * 1e3
+    ax.broken_barh([(x, w)], (r.stage - 0.4, 0.8),
+                   facecolors=_COLORS[r.kind], edgecolor='white',
+                   linewidth=0.6)
+    if w > span_ms / 110:  # Room for a label.
+      ax.text(x + w / 2, r.stage, str(r.micro_batch), ha='center',
+              va='center', color='white', fontsize=7, fontweight='bold')
+  ax.set_yticks(range(num_stages))
+  ax.set_yticklabels([f'stage {k}' for k in range(num_stages)])
+  ax.set_ylim(num_stages - 0.5, -0.5)  # Stage 0 on top.
+  ax.grid(axis='x', alpha=0.3)
+  ax.set_axisbelow(True)

@@ -1,0 +1,128 @@
+"""Timeline records → Chrome trace, Gantt PNG; records of a real step."""
+
+import json
+
+import pytest
+import tensorflow as tf
+
+from lingvo_pipe.core import gpipe
+from lingvo_pipe.core import simulator
+from lingvo_pipe.core import timeline
+from lingvo_pipe.layers import linear
+
+# Two timestamp ops that wait for the same tensor can run in either order.
+_STAMP_SLACK_S = 5e-3
+
+# Hand-made K=2, M=2 step without recompute (seconds).
+_RECORDS = [
+    (0, 0, 'F', 10.0, 10.1), (0, 1, 'F', 10.1, 10.2),
+    (1, 0, 'F', 10.1, 10.2), (1, 1, 'F', 10.2, 10.3),
+    (1, 1, 'B', 10.3, 10.5), (1, 0, 'B', 10.5, 10.7),
+    (0, 1, 'B', 10.5, 10.7), (0, 0, 'B', 10.7, 10.9),
+]
+
+
+def test_chrome_trace_structure():
+  trace = timeline.to_chrome_trace([('measured', _RECORDS)])
+  json.dumps(trace)  # Serialisable.
+  events = trace['traceEvents']
+  ops = [e for e in events if e['ph'] == 'X']
+  assert len(ops) == len(_RECORDS)
+  names = {(e['tid'], e['name']) for e in ops}
+  assert (0, 'F0') in names and (1, 'B1') in names
+  first = [e for e in ops if e['tid'] == 0 and e['name'] == 'F0'][0]
+  assert first['ts'] == pytest.approx(0.0)  # Normalized to the first start.
+  assert first['dur'] == pytest.approx(0.1e6)  # Microseconds.
+  b0 = [e for e in ops if e['tid'] == 0 and e['name'] == 'B0'][0]
+  assert b0['ts'] == pytest.approx(0.7e6)
+  threads = {e['tid']: e['args']['name'] for e in events
+             if e['ph'] == 'M' and e['name'] == 'thread_name'}
+  assert threads == {0: 'stage 0', 1: 'stage 1'}
+  procs = [e['args']['name'] for e in events if e['name'] == 'process_name']
+  assert procs == ['measured']
+
+
+def test_chrome_trace_one_process_per_panel(tmp_path):
+  sim = simulator.simulate([simulator.StageCost(forward=1.0)] * 2, 2)
+  path = tmp_path / 't.json'
+  timeline.write_chrome_trace(str(path), [('a', _RECORDS),
+                                          ('b', sim.events)])
+  trace = json.loads(path.read_text())
+  pids = {e['pid'] for e in trace['traceEvents'] if e['ph'] == 'X'}
+  assert pids == {1, 2}
+  assert sum(e['ph'] == 'X' for e in trace['traceEvents']) == (
+      len(_RECORDS) + 2 * 2 * 3)
+
+
+def test_bad_records_raise():
+  with pytest.raises(timeline.TimelineError, match='kind'):
+    timeline.to_chrome_trace([('x', [(0, 0, 'Q', 0.0, 1.0)])])
+  with pytest.raises(timeline.TimelineError, match='ends before'):
+    timeline.normalized([(0, 0, 'F', 2.0, 1.0)])
+  with pytest.raises(timeline.TimelineError, match='no records'):
+    timeline.plot_gantt([('empty', [])], '/tmp/never_written.png')
+
+
+def test_gantt_png_of_simulated_schedule(tmp_path):
+  sim = simulator.simulate([simulator.StageCost(forward=1e-3)] * 3, 4)
+  path = tmp_path / 'g.png'
+  timeline.plot_gantt([('predicted', sim.events), ('again', sim.events)],
+                      str(path), title='tiny')
+  data = path.read_bytes()
+  assert data[:8] == b'\x89PNG\r\n\x1a\n' and len(data) > 1000
+
+
+def test_calibrated_costs_are_medians():
+  costs = timeline.calibrated_costs(_RECORDS)
+  assert len(costs) == 2
+  assert costs[0].forward == pytest.approx(0.1)
+  assert costs[1].backward == pytest.approx(0.2)
+  assert costs[0].recompute == pytest.approx(0.1)  # No R: = forward.
+  # The simulator replays the hand-made step exactly (no transfer gaps).
+  sim = simulator.simulate(costs, 2, 'never')
+  assert sim.step_time == pytest.approx(0.9)
+
+
+def test_records_of_a_real_step_on_logical_devices():
+  d = 8
+  layers = [linear.FCLayer.Params().Set(name=f'fc{i}', input_dim=d,
+                                        output_dim=d) for i in range(4)]
+  net = gpipe.PipeliningLayer.Params().Set(
+      name='net', layers=layers, num_stages=2, num_micro_batches=2,
+      input_shapes=[[4, d]]).Instantiate()
+  x = tf.random.stateless_normal([4, d], seed=[1, 2])
+  records = timeline.record_step(net, (x,),
+                                 lambda y: tf.reduce_sum(tf.square(y)))
+  assert len(records) == 2 * 2 * 3
+  keys = {(r.stage, r.micro_batch, r.kind) for r in records}
+  assert keys == {(k, m, kind) for k in range(2) for m in range(2)
+                  for kind in 'FRB'}
+  assert all(r.start <= r.end for r in records)
+  assert min(r.start for r in records) == 0.0
+  f = {(r.stage, r.micro_batch): r for r in records if r.kind == 'F'}
+  for m in range(2):
+    # Causal: stage 1 needs stage 0's output of micro-batch m.
+    assert f[(1, m)].start >= f[(0, m)].start
+    # Stage 0's end stamp and stage 1's start stamp both wait only for that
+    # output, so they may fire in either order: allow a scheduling slack.
+    assert f[(1, m)].start >= f[(0, m)].end - _STAMP_SLACK_S
+  by_key = {(r.stage, r.micro_batch, r.kind): r for r in records}
+  for k in range(2):
+    for m in range(2):  # Recompute precedes its backward.
+      assert by_key[(k, m, 'R')].end <= by_key[(k, m, 'B')].start
+
+
+def test_overlap_fraction():
+  # Stage 1 busy [1, 3) while stage 0 busy [0, 2): shared time 1 of each.
+  recs = [(0, 0, 'F', 0.0, 2.0), (1, 0, 'F', 1.0, 3.0)]
+  assert timeline.overlap_fraction(recs) == pytest.approx(2.0 / 4.0)
+  turns = [(0, 0, 'F', 0.0, 1.0), (1, 0, 'F', 1.0, 2.0)]
+  assert timeline.overlap_fraction(turns) == 0.0
+  # Simulated GPipe, K=2, M=8, no recompute: stages overlap except in the
+  # fill and drain (one F, resp. one B, of each stage runs alone).
+  sim = simulator.simulate([simulator.StageCost(forward=1.0)] * 2, 8,
+                           'never')
+  busy = 2 * 8 * 3.0
+  alone = 2 * (1.0 + 2.0)
+  assert timeline.overlap_fraction(sim.events) == pytest.approx(
+      (busy - alone) / busy)

@@ -1,0 +1,254 @@
+"""Throughput in the shape of GPipe Table 2, normalized within one run.
+
+K=1 is one single-core worker process; K=2 is two, one per stage. Two cores
+never run perfectly parallel work twice as fast as one (shared caches,
+memory bandwidth, turbo, the other tenants of the machine), so the run also
+measures that ceiling C: the same stage work in K independent processes at
+once vs one alone. Pipeline efficiency is then
+
+    efficiency = speed-up / (C × M / (M + K − 1))
+
+i.e. the measured speed-up over what the bubble and the machine allow.
+The simulator's speed-ups for the paper's K and M (balanced stages, free
+transfers) are printed beside the paper's own figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import threading
+from typing import Any, Callable
+
+import tensorflow as tf
+
+from bench import common
+from bench import reference
+from bench import report
+from lingvo_pipe.core import fprop_context
+from lingvo_pipe.core import simulator
+from lingvo_pipe.core import timeline
+
+NUM_STAGES = (1, 2)
+TARGET_M = 8  # The efficiency target is set at K=2, M=8.
+TARGET_EFFICIENCY = 0.90
+MIN_CEILING = 1.2  # Below: the machine is too busy for a speed-up to show.
+MIN_OVERLAP_RATIO = 0.5
+
+
+def Sizes(tiny: bool) -> tuple[common.NetSpec, list[int], int]:
+  """(network, micro-batch counts, timed repetitions)."""
+  if tiny:
+    return common.NetSpec(4, 32, 16), [1, 2, 8], 1
+  return common.NetSpec(16, 512, 1024), [1, 4, 8, 16, 32], 5
+
+
+def _ParallelStep(nets: list[Any], xs: list[tf.Variable]) -> Callable[[], Any]:
+  """One tf.function running every net's training step, independently."""
+
+  @tf.function
+  def _Step() -> list[tf.Tensor]:
+    losses = []
+    for net, x in zip(nets, xs):
+      variables = list(net.trainable_variables)
+      with tf.GradientTape() as tape:
+        with fprop_context.Scope(training=True, step=0):
+          loss = common.LossOn(net.devices[-1])(net.FProp(net.theta, x))
+      common.SgdUpdate(variables, tape.gradient(loss, variables))
+      losses.append(loss)
+    return losses
+
+  return _Step
+
+
+def _Together(fns: list[Callable[[], Any]]) -> Callable[[], None]:
+  """Calls every fn at once, each from its own client thread; waits for all.
+
+  Separate calls of single-device functions: one multi-device function does
+  not run its devices' parts concurrently (see the Throughput notes), so it
+  cannot measure what the machine allows.
+  """
+
+  def _Run() -> None:
+    threads = [threading.Thread(target=lambda f=f: common.Sync(f()))
+               for f in fns]
+    for t in threads:
+      t.start()
+    for t in threads:
+      t.join()
+
+  return _Run
+
+
+def MeasureCeiling(spec: common.NetSpec, devices: list[str], m: int,
+                   reps: int) -> dict[str, Any]:
+  """C = K × t(one process alone) / t(K processes at once), same work each.
+
+  Each process runs the training step of one stage's share of the network
+  (L/K layers, the whole batch in `m` micro-batches) on its own copy,
+  driven by its own client thread.
+  """
+  k = len(devices)
+  share = common.NetSpec(max(1, spec.num_layers // k), spec.width, spec.batch)
+  singles = []
+  for d in devices:
+    net = common.PipelineParams(share, 1, m, [d]).Instantiate()
+    singles.append(_ParallelStep([net], [common.MakeInput(share, d)]))
+  steps = {'alone': singles[0], 'together': _Together(singles)}
+  for fn in singles:
+    common.FirstCall(fn)
+  times = common.Interleaved(steps, reps)
+  alone, together = (common.Median(times[n]) for n in ('alone', 'together'))
+  return {'alone_s': alone, 'together_s': together,
+          'ceiling': k * alone / together, 'num_processes': k,
+          'work': f'{share.Describe()}, M={m}, one copy and one client '
+                  'thread per device'}
+
+
+def _MeasureM(spec: common.NetSpec, devices: list[str], m: int, reps: int,
+              record: bool) -> dict[str, Any]:
+  """Step times of K=1 and K=2 at M=m, timed in alternation.
+
+  With `record`, one more K=2 step runs with the engine's timestamps, and
+  the share of time both stages were busy at once is compared with the
+  simulator's for the same op durations.
+  """
+  steps, first, nets = {}, {}, {}
+  for k in NUM_STAGES:
+    nets[k] = common.PipelineParams(spec, k, m, devices).Instantiate()
+    x = common.MakeInput(spec, devices[0])
+    steps[f'K={k}'] = common.PipelineStep(nets[k], x)
+    first[f'K={k}'] = common.FirstCall(steps[f'K={k}'])
+  times = common.Interleaved(steps, reps)
+  out = {'M': m, 'first_call_s': first, 'times_s': times,
+         'step_s': {n: common.Median(t) for n, t in times.items()}}
+  if record:
+    net = nets[max(NUM_STAGES)]
+    recorder = timeline.StepRecorder(
+        net, (common.MakeInput(spec, devices[0]),),
+        common.LossOn(net.devices[-1]), update=common.SgdUpdate)
+    recorder()
+    measured = recorder()
+    predicted = simulator.simulate(timeline.calibrated_costs(measured), m)
+    out['overlap'] = {'measured': timeline.overlap_fraction(measured),
+                      'predicted': timeline.overlap_fraction(
+                          predicted.events)}
+  common.Release()
+  return out
+
+
+def PaperComparison() -> list[dict[str, Any]]:
+  """Simulated speed-up (balanced stages) at the paper's K, M."""
+  rows = []
+  for m in reference.PAPER_MICRO_BATCHES:
+    for k in reference.PAPER_STAGES:
+      sim = simulator.simulate([simulator.StageCost(forward=1.0)] * k, m,
+                               'always')
+      rows.append({'K': k, 'M': m, 'simulated': sim.speedup_vs_single_device,
+                   'gpipe_amoebanet': reference.GPIPE_AMOEBANET[(k, m)],
+                   'gpipe_transformer': reference.GPIPE_TRANSFORMER[(k, m)],
+                   'torchgpipe_p40': reference.TORCHGPIPE_P40[(k, m)]})
+  return rows
+
+
+def Run(args: argparse.Namespace, devices: list[str]) -> dict[str, Any]:
+  spec, ms, reps = Sizes(args.tiny)
+  reps = args.reps or reps
+  ceiling_m = max(x for x in ms if x <= TARGET_M)
+  common.Log(f'throughput: ceiling C with {spec.Describe()}')
+  ceiling = MeasureCeiling(spec, devices[:2], ceiling_m, reps)
+  rows = []
+  for m in ms:
+    common.Log(f'throughput: M={m}')
+    rows.append(_MeasureM(spec, devices, m, reps, record=m == ceiling_m))
+  c = ceiling['ceiling']
+  base = rows[0]['step_s']['K=1']
+  for row in rows:
+    m, t1, t2 = row['M'], row['step_s']['K=1'], row['step_s']['K=2']
+    row['speedup'] = t1 / t2
+    row['norm_k1'] = base / t1  # Throughput vs K=1, M=1.
+    row['norm_k2'] = base / t2
+    row['ideal'] = c * m / (m + 1)
+    row['efficiency'] = row['speedup'] / row['ideal']
+  at = [r for r in rows if r['M'] == ceiling_m][0]
+  ov = at['overlap']
+  targets = [
+      report.Target(f'pipeline efficiency at K=2, M={ceiling_m}',
+                    at['efficiency'], '>=', TARGET_EFFICIENCY, ''),
+      # Sanity checks that make the efficiency meaningful: the second core
+      # must add throughput, and the stages must actually run at once.
+      report.Target('ceiling C (a second core adds throughput)', c, '>=',
+                    MIN_CEILING, ''),
+      report.Target(f'stages busy at once, measured ÷ simulated (K=2, '
+                    f'M={ceiling_m})', ov['measured'] / max(ov['predicted'],
+                                                            1e-9),
+                    '>=', MIN_OVERLAP_RATIO, '')]
+  return {'network': spec.Describe(), 'ceiling': ceiling, 'rows': rows,
+          'paper': PaperComparison(), 'targets': targets}
+
+
+def Render(s: dict[str, Any]) -> str:
+  c = s['ceiling']
+  rows = [[r['M'], r['step_s']['K=1'], r['step_s']['K=2'], r['norm_k1'],
+           r['norm_k2'], r['speedup'], r['ideal'], r['efficiency']]
+          for r in s['rows']]
+  paper = [[r['M'], r['K'], r['simulated'], r['gpipe_amoebanet'],
+            r['gpipe_transformer'], r['torchgpipe_p40']] for r in s['paper']]
+  lines = [
+      f'Network: {s["network"]}; recompute=always, SGD update in the step; '
+      'K stage devices (one per stage; K=1 is one device). Step times are '
+      'medians of alternating runs.',
+      '',
+      f'Ceiling C = {c["ceiling"]:.3f} ({c["num_processes"]} devices at '
+      f'once {c["together_s"]:.3g} s vs one alone {c["alone_s"]:.3g} s; '
+      f'work per process: {c["work"]}).',
+      '',
+      report.Table(['M', 'K=1 step (s)', 'K=2 step (s)',
+                    'K=1 thr. (÷ K=1,M=1)', 'K=2 thr. (÷ K=1,M=1)',
+                    'speed-up K=2 ÷ K=1', 'ideal C·M/(M+1)', 'efficiency'],
+                   rows),
+      '',
+      _OverlapLine(s),
+      report.TargetLines(s['targets']),
+  ]
+  if not all(t['met'] for t in s['targets']):
+    lines.append(_Limits(s))
+  lines += [
+      '',
+      'Simulator vs the papers (normalized to K=2, M=1, as the papers are; '
+      'the simulator models only the bubble — balanced stages, free '
+      'transfers, recompute = forward, backward = 2 × forward — not '
+      'communication or the imbalance of real networks):',
+      '',
+      report.Table(['M', 'K', 'simulated', 'GPipe AmoebaNet (TPU)',
+                    'GPipe Transformer (TPU)', 'torchgpipe (P40)'], paper),
+  ]
+  return '\n'.join(lines)
+
+
+def _OverlapLine(s: dict[str, Any]) -> str:
+  at = [r for r in s['rows'] if 'overlap' in r][0]
+  return (f'- Both stages busy at once, K=2, M={at["M"]}: '
+          f'{100 * at["overlap"]["measured"]:.0f}% of busy time measured vs '
+          f'{100 * at["overlap"]["predicted"]:.0f}% simulated '
+          '(`timeline.overlap_fraction`).')
+
+
+def _Limits(s: dict[str, Any]) -> str:
+  """The one-line 'what limits it' note, from the measurements."""
+  at = [r for r in s['rows'] if 'overlap' in r][0]
+  m1 = s['rows'][0]
+  ov, c = at['overlap'], s['ceiling']['ceiling']
+  notes = []
+  if c < MIN_CEILING:
+    notes.append(f'C = {c:.2f}: in this run both cores together did hardly '
+                 'more work than one (other processes were using the '
+                 'machine), so the efficiency says little either way')
+  if ov['measured'] < MIN_OVERLAP_RATIO * ov['predicted']:
+    notes.append(f'at M={at["M"]} the two stages were busy at the same time '
+                 f'for {100 * ov["measured"]:.0f}% of their busy time '
+                 f'(simulated: {100 * ov["predicted"]:.0f}%): the stages '
+                 'mostly took turns instead of pipelining')
+  notes.append(f'at M=1, where no overlap is possible, K=2 costs '
+               f'{(m1["step_s"]["K=2"] - m1["step_s"]["K=1"]) * 1e3:+.0f} ms '
+               'over K=1 (transfers, dispatch to two processes)')
+  return '- What limits it: ' + '; '.join(notes) + '.'
