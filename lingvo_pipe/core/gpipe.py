@@ -302,6 +302,8 @@ class TransparencyReport:
 def _RelDiff(got: Any, want: Any) -> tuple[float, int]:
   """Max leaf-wise |got−want| / scale, scale floored at 1e-3 × the largest."""
   def _Dense(x: Any) -> np.ndarray:  # Embedding gradients are IndexedSlices.
+    if x is None:  # No gradient (e.g. BatchNorm's moving averages).
+      return np.zeros([0])
     return np.asarray(tf.convert_to_tensor(x), np.float64)
 
   pairs = [(_Dense(a), _Dense(b))

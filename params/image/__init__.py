@@ -1,0 +1,1 @@
+"""Image classification models (Fashion-MNIST)."""
