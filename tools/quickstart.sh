@@ -8,15 +8,12 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 bash tools/setup.sh
 export TF_CPP_MIN_LOG_LEVEL="${TF_CPP_MIN_LOG_LEVEL:-2}"
 
-# The main job: one line.
-main_job=(.venv/bin/python -m lingvo_pipe.trainer
-          --model=synthetic.regression.MlpRegression --logdir=logs/quickstart)
-
-if [[ -f lingvo_pipe/trainer.py ]]; then
-  exec "${main_job[@]}"
-fi
-echo "trainer not built yet (no lingvo_pipe/trainer.py). Registered models:"
-exec .venv/bin/python -c '
-from lingvo_pipe.core import model_registry
-for name in model_registry.ListModels():
-  print(" ", name)'
+# The main job: train the default registered model (AmoebaNet-D on
+# Fashion-MNIST, 2 pipeline stages on 2 logical CPU devices) and score its
+# last checkpoint on the test split.
+logdir="${LOGDIR:-logs/fashion_mnist}"
+model=image.fashion_mnist.AmoebaNetGPipe
+.venv/bin/python -m lingvo_pipe.trainer --model="$model" --logdir="$logdir" "$@"
+.venv/bin/python -m lingvo_pipe.evaler --model="$model" --logdir="$logdir" \
+  --eval_dataset=Test --mode=latest
+echo "quickstart: scores in $logdir/eval_test/, TensorBoard scalars in $logdir/train/"
