@@ -5,10 +5,10 @@ names the problem and the fix, exit status 2, and an untouched logdir, not a
 TensorFlow traceback. So the binaries validate everything (params, data,
 logdir, the model itself) before they create anything, and user errors are
 the named exceptions listed in `USER_ERRORS`, turned into that one line by
-`ExitOnUserError`. Anything else is a bug and keeps its traceback.
+`exit_on_user_error`. Anything else is a bug and keeps its traceback.
 
 TensorFlow prints start-up banners on stderr before its logging is
-configured (oneDNN notices, CPU feature lines); `ImportTensorFlowQuietly`
+configured (oneDNN notices, CPU feature lines); `import_tensorflow_quietly`
 swallows exactly those so the one line is not buried.
 """
 
@@ -27,7 +27,7 @@ _BANNER = re.compile(
     r'already been registered))')
 
 
-def ImportTensorFlowQuietly() -> None:
+def import_tensorflow_quietly() -> None:
   """Imports TensorFlow with its start-up banner removed from stderr."""
   if 'tensorflow' in sys.modules:
     return
@@ -48,7 +48,7 @@ def ImportTensorFlowQuietly() -> None:
         sys.stderr.write('\n'.join(kept) + '\n')
 
 
-ImportTensorFlowQuietly()
+import_tensorflow_quietly()
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
 import tensorflow as tf
@@ -79,7 +79,7 @@ USER_ERRORS: tuple[type[Exception], ...] = (
 
 
 @contextlib.contextmanager
-def ExitOnUserError(program: str) -> Iterator[None]:
+def exit_on_user_error(program: str) -> Iterator[None]:
   """Turns a user error into one stderr line and exit status 2."""
   try:
     yield
@@ -92,7 +92,7 @@ def ExitOnUserError(program: str) -> Iterator[None]:
 
 
 # ---- Params -----------------------------------------------------------------
-def ReadOverrideFile(path: str) -> str:
+def read_override_file(path: str) -> str:
   """The text of --model_params_file_override (`path : value` lines)."""
   try:
     with open(path, encoding='utf-8') as f:
@@ -103,7 +103,7 @@ def ReadOverrideFile(path: str) -> str:
                     'lines.') from None
 
 
-def ApplyOverrides(params: Params, *texts: str) -> Params:
+def apply_overrides(params: Params, *texts: str) -> Params:
   """Applies override texts in order; errors name the offending line."""
   for text in texts:
     if text:
@@ -111,11 +111,11 @@ def ApplyOverrides(params: Params, *texts: str) -> Params:
   return params
 
 
-def ValidateTrainParams(params: Params) -> None:
+def validate_train_params(params: Params) -> None:
   """Checks `task.train` for values the trainer cannot run with."""
   train = params.task.train
-  optimizer.Validate(train)
-  learning_rate.Validate(train)
+  optimizer.validate(train)
+  learning_rate.validate(train)
   for key in ('max_steps', 'save_interval_steps', 'max_checkpoints_to_keep',
               'summary_interval_steps'):
     if getattr(train, key) < 1:
@@ -127,7 +127,7 @@ def ValidateTrainParams(params: Params) -> None:
                     f'{train.weight_decay}.')
 
 
-def SetDevices(params: Params, devices_flag: str) -> None:
+def set_devices(params: Params, devices_flag: str) -> None:
   """--devices=a,b: one device per pipeline stage (task.pipeline.devices)."""
   if not devices_flag:
     return
@@ -141,7 +141,7 @@ def SetDevices(params: Params, devices_flag: str) -> None:
 
 
 # ---- Logdir -----------------------------------------------------------------
-def CheckWritableDir(path: str, flag: str = '--logdir') -> None:
+def check_writable_dir(path: str, flag: str = '--logdir') -> None:
   """Raises UserError unless `path` is, or can be created as, a writable dir.
 
   Creates nothing.
@@ -163,7 +163,7 @@ def CheckWritableDir(path: str, flag: str = '--logdir') -> None:
                     f'on {probe!r}); choose a directory you can write to.')
 
 
-def WriteFileAtomically(path: str, text: str) -> None:
+def write_file_atomically(path: str, text: str) -> None:
   """Writes `text` to `path` via a temp file and os.replace."""
   directory = os.path.dirname(os.path.abspath(path))
   fd, tmp = tempfile.mkstemp(dir=directory, prefix='.tmp-',
@@ -183,7 +183,7 @@ def WriteFileAtomically(path: str, text: str) -> None:
     raise
 
 
-def ParamsDiff(old_text: str, new: Params) -> str:
+def params_diff(old_text: str, new: Params) -> str:
   """`Params.TextDiff` of the logdir's params.txt against `new`."""
   try:
     old = new.Copy().FromText(old_text)
@@ -197,5 +197,5 @@ def ParamsDiff(old_text: str, new: Params) -> str:
                       if l not in old_lines])
 
 
-def SummaryWriter(logdir: str, name: str) -> tf.summary.SummaryWriter:
+def summary_writer(logdir: str, name: str) -> tf.summary.SummaryWriter:
   return tf.summary.create_file_writer(os.path.join(logdir, name))

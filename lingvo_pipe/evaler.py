@@ -63,15 +63,15 @@ _TIMEOUT_SECS = flags.DEFINE_float(
     'seconds without reaching max_steps; 0 waits forever.')
 
 
-def ScoreDir(logdir: str, dataset: str) -> str:
+def score_dir(logdir: str, dataset: str) -> str:
   return os.path.join(logdir, f'eval_{dataset.lower()}')
 
 
-def _ScorePath(score_dir: str, ckpt: str) -> str:
+def _score_path(score_dir: str, ckpt: str) -> str:
   return os.path.join(score_dir, os.path.basename(ckpt) + '.json')
 
 
-def ReadScores(score_dir: str) -> list[dict]:
+def read_scores(score_dir: str) -> list[dict]:
   """Every score record in `score_dir`, by step."""
   if not os.path.isdir(score_dir):
     return []
@@ -96,20 +96,20 @@ class Evaler:
                                name='global_step')
     self._ckpt = tf.train.Checkpoint(step=self._step, task=self.task)
     self._logdir = logdir
-    self.score_dir = ScoreDir(logdir, dataset)
+    self.score_dir = score_dir(logdir, dataset)
     self._writer: tf.summary.SummaryWriter | None = None
-    self._eval_fn = tf.function(self._EvalStep, reduce_retracing=True)
+    self._eval_fn = tf.function(self._eval_step, reduce_retracing=True)
 
-  def _EvalStep(self, batch: NestedMap) -> NestedMap:
-    with fprop_context.Scope(training=False):
+  def _eval_step(self, batch: NestedMap) -> NestedMap:
+    with fprop_context.scope(training=False):
       return self.task.EvalStep(self.task.theta, batch)
 
-  def Unscored(self) -> list[str]:
+  def unscored(self) -> list[str]:
     """Listed checkpoints without a score file, oldest first."""
-    return [c for c in checkpoints.ListCheckpoints(self._logdir)
-            if not os.path.exists(_ScorePath(self.score_dir, c))]
+    return [c for c in checkpoints.list_checkpoints(self._logdir)
+            if not os.path.exists(_score_path(self.score_dir, c))]
 
-  def Score(self, ckpt: str) -> dict | None:
+  def score(self, ckpt: str) -> dict | None:
     """Scores `ckpt` and records it; None if it vanished before reading."""
     start = time.time()
     try:
@@ -118,7 +118,7 @@ class Evaler:
       status.assert_existing_objects_matched()  # Every task variable is.
     except (tf.errors.NotFoundError, tf.errors.DataLossError,
             ValueError) as e:
-      if checkpoints.Exists(ckpt):
+      if checkpoints.exists(ckpt):
         raise
       logging.warning('Skipping %s: deleted before it could be read (%s).',
                       ckpt, type(e).__name__)
@@ -128,7 +128,7 @@ class Evaler:
     for batch in self._input.EvalDataset():
       outputs = self._eval_fn(batch)
       num_examples += int(tf.nest.flatten(batch)[0].shape[0])
-      aggregator.Update(_Numpy(batch), _Numpy(outputs))
+      aggregator.Update(_numpy(batch), _numpy(outputs))
     record = {
         'step': int(self._step.numpy()),
         'checkpoint': ckpt,
@@ -137,46 +137,47 @@ class Evaler:
         'eval_seconds': time.time() - start,
         'wall_time': time.time(),
     }
-    self._Record(ckpt, record)
+    self._record(ckpt, record)
     return record
 
-  def _Record(self, ckpt: str, record: dict) -> None:
+  def _record(self, ckpt: str, record: dict) -> None:
     os.makedirs(self.score_dir, exist_ok=True)
     if self._writer is None:
       self._writer = tf.summary.create_file_writer(self.score_dir)
-    summaries.Scalars(self._writer, record['step'], record['metrics'])
-    _cli.WriteFileAtomically(_ScorePath(self.score_dir, ckpt),
-                             json.dumps(record, indent=1, sort_keys=True))
+    summaries.scalars(self._writer, record['step'], record['metrics'])
+    _cli.write_file_atomically(_score_path(self.score_dir, ckpt),
+                               json.dumps(record, indent=1, sort_keys=True))
     logging.info('Scored %s (step %d, %d examples): %s', ckpt,
                  record['step'], record['num_examples'],
                  ', '.join(f'{k}={v:.6g}' for k, v in
                            sorted(record['metrics'].items())))
 
-  def RunOnce(self, latest_only: bool) -> None:
-    todo = self.Unscored()
+  def run_once(self, latest_only: bool) -> None:
+    todo = self.unscored()
     if latest_only:
-      listed = checkpoints.ListCheckpoints(self._logdir)
+      listed = checkpoints.list_checkpoints(self._logdir)
       todo = [c for c in todo if listed and c == listed[-1]]
     if not todo:
       logging.info('Nothing new to score in %s.', self._logdir)
     for ckpt in todo:
-      self.Score(ckpt)
+      self.score(ckpt)
 
-  def RunContinuous(self, poll_secs: float, deadline: float | None) -> None:
+  def run_continuous(self, poll_secs: float, deadline: float | None) -> None:
     """Scores new checkpoints until one at or past max_steps is scored."""
     max_steps = self._params.task.train.max_steps
     while True:
-      for ckpt in self.Unscored():
-        self.Score(ckpt)
-      if any(r['step'] >= max_steps for r in ReadScores(self.score_dir)):
+      for ckpt in self.unscored():
+        self.score(ckpt)
+      if any(r['step'] >= max_steps for r in read_scores(self.score_dir)):
         logging.info('Scored a checkpoint at step ≥ %d: done.', max_steps)
         return
-      _SleepOrTimeOut(poll_secs, deadline,
-                      f'a checkpoint at step ≥ {max_steps} in {self._logdir}')
+      _sleep_or_time_out(
+          poll_secs, deadline,
+          f'a checkpoint at step ≥ {max_steps} in {self._logdir}')
 
 
-def _SleepOrTimeOut(poll_secs: float, deadline: float | None,
-                    waiting_for: str) -> None:
+def _sleep_or_time_out(poll_secs: float, deadline: float | None,
+                       waiting_for: str) -> None:
   """Sleeps one poll interval; exits 1 if --timeout_secs has passed."""
   if deadline is not None and time.monotonic() > deadline:
     logging.error('Timed out after --timeout_secs=%g waiting for %s.',
@@ -185,22 +186,22 @@ def _SleepOrTimeOut(poll_secs: float, deadline: float | None,
   time.sleep(poll_secs)
 
 
-def _WaitForParams(logdir: str, poll_secs: float,
-                   deadline: float | None) -> None:
+def _wait_for_params(logdir: str, poll_secs: float,
+                     deadline: float | None) -> None:
   """continuous: the evaler may start before the trainer wrote params.txt."""
   path = os.path.join(logdir, _cli.PARAMS_FILE)
   if not os.path.exists(path):
     logging.info('Waiting for the trainer to write %s.', path)
   while not os.path.exists(path):
-    _SleepOrTimeOut(poll_secs, deadline, path)
+    _sleep_or_time_out(poll_secs, deadline, path)
 
 
-def _Numpy(tree: NestedMap) -> NestedMap:
+def _numpy(tree: NestedMap) -> NestedMap:
   return tf.nest.map_structure(
       lambda t: t.numpy() if hasattr(t, 'numpy') else np.asarray(t), tree)
 
 
-def BuildParams(logdir: str, dataset: str) -> Params:
+def build_params(logdir: str, dataset: str) -> Params:
   """Registry params of the eval split + the trainer's task.* + overrides."""
   path = os.path.join(logdir, _cli.PARAMS_FILE)
   if not os.path.isfile(path):
@@ -218,37 +219,37 @@ def BuildParams(logdir: str, dataset: str) -> Params:
   if trained and model != trained:
     raise _cli.UserError(f'--model={model} but {path} was trained as '
                          f'{trained}; drop --model or fix --logdir.')
-  params = model_registry.GetParams(model, dataset)
-  _cli.ApplyOverrides(params, '\n'.join(l for l in lines
-                                        if l.startswith('task.')),
-                      _OVERRIDE.value)
+  params = model_registry.get_params(model, dataset)
+  _cli.apply_overrides(params, '\n'.join(l for l in lines
+                                         if l.startswith('task.')),
+                       _OVERRIDE.value)
   return params
 
 
-def _Main(argv: list[str]) -> None:
+def _main(argv: list[str]) -> None:
   if len(argv) > 1:
     raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
-  with _cli.ExitOnUserError('evaler'):
-    devices.ConfigureLogicalCpus(_NUM_CPUS.value)  # Before any TF op.
+  with _cli.exit_on_user_error('evaler'):
+    devices.configure_logical_cpus(_NUM_CPUS.value)  # Before any TF op.
     if not _LOGDIR.value:
       raise _cli.UserError('--logdir is required: the trainer\'s logdir.')
     logdir = _LOGDIR.value
-    _cli.CheckWritableDir(ScoreDir(logdir, _DATASET.value))
+    _cli.check_writable_dir(score_dir(logdir, _DATASET.value))
     deadline = (time.monotonic() + _TIMEOUT_SECS.value
                 if _TIMEOUT_SECS.value > 0 else None)
     if _MODE.value == 'continuous':
-      _WaitForParams(logdir, _POLL_SECS.value, deadline)
-    params = BuildParams(logdir, _DATASET.value)
+      _wait_for_params(logdir, _POLL_SECS.value, deadline)
+    params = build_params(logdir, _DATASET.value)
     evaler = Evaler(params, logdir, _DATASET.value)
     if _MODE.value == 'continuous':
-      evaler.RunContinuous(_POLL_SECS.value, deadline)
+      evaler.run_continuous(_POLL_SECS.value, deadline)
     else:
-      evaler.RunOnce(latest_only=_MODE.value == 'latest')
+      evaler.run_once(latest_only=_MODE.value == 'latest')
 
 
 def run() -> None:
   """Console-script entry point (`lingvo_pipe_evaler`)."""
-  app.run(_Main)
+  app.run(_main)
 
 
 if __name__ == '__main__':

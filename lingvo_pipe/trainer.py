@@ -79,8 +79,8 @@ class Trainer:
     self._train = params.task.train
     self.task: base_model.BaseTask = params.task.Instantiate()
     self._vars = list(self.task.trainable_variables)
-    self._opt = optimizer.FromParams(self._train)
-    self._opt.Build(self._vars)
+    self._opt = optimizer.from_params(self._train)
+    self._opt.build(self._vars)
     with tf.device('/device:CPU:0'):
       self.step = tf.Variable(0, dtype=tf.int64, trainable=False,
                               name='global_step')
@@ -90,9 +90,9 @@ class Trainer:
     self._manager: tf.train.CheckpointManager | None = None
     # No AutoGraph: FProps are graph code already (tf.cond, tf.while_loop),
     # and converting the pipeline's Python makes tracing ~3x slower.
-    self._step_fn = tf.function(self._TrainStep, autograph=False)
+    self._step_fn = tf.function(self._train_step, autograph=False)
 
-  def Restore(self) -> int:
+  def restore(self) -> int:
     """Opens the checkpoint manager, restores the latest checkpoint if any."""
     self._manager = tf.train.CheckpointManager(
         self._ckpt, self._logdir, self._train.max_checkpoints_to_keep,
@@ -104,7 +104,7 @@ class Trainer:
                    int(self.step.numpy()))
     return int(self.step.numpy())
 
-  def Save(self) -> str:
+  def save(self) -> str:
     assert self._manager is not None
     return self._manager.save(checkpoint_number=int(self.step.numpy()))
 
@@ -112,12 +112,12 @@ class Trainer:
   def latest_checkpoint(self) -> str | None:
     return self._manager.latest_checkpoint if self._manager else None
 
-  def _TrainStep(self, batch: base_model.NestedMap):
+  def _train_step(self, batch: base_model.NestedMap):
     """One step: loss, gradients, and the update iff all are finite."""
     train, variables = self._train, self._vars
     step = self.step.read_value()
     collector = fprop_context.StatsCollector()
-    with fprop_context.Scope(training=True, step=step, stats=collector):
+    with fprop_context.scope(training=True, step=step, stats=collector):
       with tf.GradientTape() as tape:
         metrics = self.task.FProp(self.task.theta, batch)
         loss = metrics['loss'][0]
@@ -130,18 +130,18 @@ class Trainer:
     if train.clip_gradient_norm > 0:
       grads, _ = tf.clip_by_global_norm(grads, train.clip_gradient_norm,
                                         use_norm=norm)
-    lr = learning_rate.LearningRate(train, step)
+    lr = learning_rate.learning_rate(train, step)
 
-    def _Apply() -> tf.Tensor:
-      self._opt.Apply(grads, variables, lr, step)
+    def _apply() -> tf.Tensor:
+      self._opt.apply(grads, variables, lr, step)
       self.task.UpdateStats(collector.stats)  # BatchNorm: once per step.
       self.step.assign_add(1)
       return tf.constant(True)
 
-    applied = tf.cond(finite, _Apply, lambda: tf.constant(False))
+    applied = tf.cond(finite, _apply, lambda: tf.constant(False))
     return metrics, norm, applied, lr
 
-  def Train(self, generator: base_input_generator.BaseInputGenerator,
+  def train(self, generator: base_input_generator.BaseInputGenerator,
             writer: tf.summary.SummaryWriter) -> None:
     """Trains from the current step to max_steps; exits 1 on a bad step."""
     train = self._train
@@ -153,29 +153,29 @@ class Trainer:
       s = int(self.step.numpy())
       metrics, norm, applied, lr = self._step_fn(batch)
       if not bool(applied.numpy()):
-        self._StopOnNonFinite(s, metrics, norm, writer)
+        self._stop_on_non_finite(s, metrics, norm, writer)
       done = s + 1
       if done == start + 1:
-        rate.ExamplesPerSec(done)  # Starts the clock after tracing.
-      progress.Update(done, float(metrics['loss'][0]))
+        rate.examples_per_sec(done)  # Starts the clock after tracing.
+      progress.update(done, float(metrics['loss'][0]))
       if done % train.summary_interval_steps == 0 or done == train.max_steps:
-        self._WriteSummaries(writer, done, metrics, norm, lr,
-                             rate.ExamplesPerSec(done))
+        self._write_summaries(writer, done, metrics, norm, lr,
+                              rate.examples_per_sec(done))
       if done % train.save_interval_steps == 0 or done == train.max_steps:
-        logging.info('Saved %s.', self.Save())
+        logging.info('Saved %s.', self.save())
       if done >= train.max_steps:
         break
-    progress.Log(overall=True)
+    progress.log(overall=True)
 
-  def _WriteSummaries(self, writer, step, metrics, norm, lr,
-                      examples_per_sec: float) -> None:
+  def _write_summaries(self, writer, step, metrics, norm, lr,
+                       examples_per_sec: float) -> None:
     values = {name: value for name, (value, _) in metrics.items()}
     values.update(learning_rate=lr, grad_global_norm=norm,
                   examples_per_sec=examples_per_sec)
     values.update(self.task.Summaries())
-    summaries.Scalars(writer, step, values)
+    summaries.scalars(writer, step, values)
 
-  def _StopOnNonFinite(self, step: int, metrics, norm, writer) -> None:
+  def _stop_on_non_finite(self, step: int, metrics, norm, writer) -> None:
     writer.flush()
     kept = self.latest_checkpoint
     kept_text = (f'the last good checkpoint is {kept}' if kept else
@@ -196,7 +196,7 @@ class _Rate:
     self._batch = batch_size
     self._mark: tuple[float, int] | None = None
 
-  def ExamplesPerSec(self, step: int) -> float:
+  def examples_per_sec(self, step: int) -> float:
     now = time.monotonic()
     if self._mark is None or now <= self._mark[0] or step <= self._mark[1]:
       rate = 0.0
@@ -218,19 +218,19 @@ class _Progress:
     self._last_log: float | None = None
     self._first: tuple[float, int] = (0.0, 0)
 
-  def Update(self, step: int, loss: float) -> None:
+  def update(self, step: int, loss: float) -> None:
     self._step, self._loss = step, loss
     now = time.monotonic()
     if self._last_log is None:  # First step: starts the clock.
-      self._rate.ExamplesPerSec(step)
+      self._rate.examples_per_sec(step)
       self._last_log, self._first = now, (now, step)
-      self.Log()
+      self.log()
     elif now - self._last_log >= _PROGRESS_SECS:
-      self._steps_per_sec = self._rate.ExamplesPerSec(step) / self._batch
+      self._steps_per_sec = self._rate.examples_per_sec(step) / self._batch
       self._last_log = now
-      self.Log()
+      self.log()
 
-  def Log(self, overall: bool = False) -> None:
+  def log(self, overall: bool = False) -> None:
     """Logs the progress line; `overall`: the rate since the first step."""
     elapsed = time.monotonic() - self._first[0]
     if overall and elapsed > 0 and self._step > self._first[1]:
@@ -243,23 +243,23 @@ class _Progress:
                  self._steps_per_sec * self._batch, eta)
 
 
-def BuildParams() -> Params:
+def build_params() -> Params:
   """Registry params + overrides + flags, validated."""
   if not _MODEL.value:
     raise _cli.UserError('--model is required, e.g. '
                          '--model=synthetic.regression.MlpRegression.')
-  params = model_registry.GetParams(_MODEL.value, 'Train')
-  file_text = (_cli.ReadOverrideFile(_OVERRIDE_FILE.value)
+  params = model_registry.get_params(_MODEL.value, 'Train')
+  file_text = (_cli.read_override_file(_OVERRIDE_FILE.value)
                if _OVERRIDE_FILE.value else '')
-  _cli.ApplyOverrides(params, file_text, _OVERRIDE.value)
+  _cli.apply_overrides(params, file_text, _OVERRIDE.value)
   if _MAX_STEPS.value is not None:
     params.task.train.max_steps = _MAX_STEPS.value
-  _cli.SetDevices(params, _DEVICES.value)
-  _cli.ValidateTrainParams(params)
+  _cli.set_devices(params, _DEVICES.value)
+  _cli.validate_train_params(params)
   return params
 
 
-def _WithOldRunLength(params: Params, old_text: str) -> str | None:
+def _with_old_run_length(params: Params, old_text: str) -> str | None:
   """params' text with max_steps as in `old_text` (None if unreadable).
 
   max_steps only says how long to train, so continuing a finished run with a
@@ -274,16 +274,16 @@ def _WithOldRunLength(params: Params, old_text: str) -> str | None:
   return same.ToText()
 
 
-def _CheckParamsFile(logdir: str, params: Params) -> None:
+def _check_params_file(logdir: str, params: Params) -> None:
   """Refuses (exit 2) a logdir whose params.txt differs, unless --force."""
   path = os.path.join(logdir, _cli.PARAMS_FILE)
   if not os.path.exists(path):
     return
   with open(path, encoding='utf-8') as f:
     old = f.read()
-  if old == params.ToText() or old == _WithOldRunLength(params, old):
+  if old == params.ToText() or old == _with_old_run_length(params, old):
     return  # Same run, or the same run extended/shortened (max_steps).
-  diff = _cli.ParamsDiff(old, params)
+  diff = _cli.params_diff(old, params)
   if _FORCE.value:
     logging.warning('--force: replacing %s; differences:\n%s', path, diff)
     return
@@ -293,44 +293,44 @@ def _CheckParamsFile(logdir: str, params: Params) -> None:
       'now); use the same model and overrides, another --logdir, or --force.')
 
 
-def _Main(argv: list[str]) -> None:
+def _main(argv: list[str]) -> None:
   if len(argv) > 1:
     raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
-  with _cli.ExitOnUserError('trainer'):
-    devices.ConfigureLogicalCpus(_NUM_CPUS.value)  # Before any TF op.
+  with _cli.exit_on_user_error('trainer'):
+    devices.configure_logical_cpus(_NUM_CPUS.value)  # Before any TF op.
     if _DETERMINISTIC.value:
       tf.config.experimental.enable_op_determinism()
-    params = BuildParams()
+    params = build_params()
     if _MODE.value == 'inspect_params':
       task = params.task.Instantiate()
       print(params.ToText(), end='')
       print(task.Inspect())
       return
     logdir = _LOGDIR.value
-    _cli.CheckWritableDir(logdir)
-    _CheckParamsFile(logdir, params)
+    _cli.check_writable_dir(logdir)
+    _check_params_file(logdir, params)
     generator = params.input.Instantiate()
     generator.CheckAvailable()
     generator.TrainDataset(0)  # Builds (lazily) to check batch size etc.
     trainer = Trainer(params, logdir)
   # Everything is valid: only now touch the logdir.
   os.makedirs(logdir, exist_ok=True)
-  _cli.WriteFileAtomically(os.path.join(logdir, _cli.PARAMS_FILE),
-                           params.ToText())
-  start = trainer.Restore()
+  _cli.write_file_atomically(os.path.join(logdir, _cli.PARAMS_FILE),
+                             params.ToText())
+  start = trainer.restore()
   if start >= params.task.train.max_steps:
     logging.info('Already at step %d ≥ max_steps %d: nothing to do.', start,
                  params.task.train.max_steps)
     return
-  writer = _cli.SummaryWriter(logdir, 'train')
-  with _cli.ExitOnUserError('trainer'):
-    trainer.Train(generator, writer)
+  writer = _cli.summary_writer(logdir, 'train')
+  with _cli.exit_on_user_error('trainer'):
+    trainer.train(generator, writer)
   writer.close()
 
 
 def run() -> None:
   """Console-script entry point (`lingvo_pipe_trainer`)."""
-  app.run(_Main)
+  app.run(_main)
 
 
 if __name__ == '__main__':

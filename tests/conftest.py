@@ -12,7 +12,7 @@ import tensorflow as tf
 from lingvo_pipe.core import devices
 
 NUM_TEST_DEVICES = 4
-devices.ConfigureLogicalCpus(NUM_TEST_DEVICES)
+devices.configure_logical_cpus(NUM_TEST_DEVICES)
 
 
 @pytest.fixture(autouse=True)

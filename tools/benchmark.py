@@ -33,7 +33,7 @@ from bench import sections  # pylint: disable=g-import-not-at-top
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _Parser() -> argparse.ArgumentParser:
+def _parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(
       prog='benchmark.py', description=__doc__.split('\n\n')[0])
   parser.add_argument('command', choices=list(sections.NAMES) + ['all'])
@@ -53,11 +53,11 @@ def _Parser() -> argparse.ArgumentParser:
   return parser
 
 
-def _Command(argv: list[str]) -> str:
+def _command(argv: list[str]) -> str:
   return 'python tools/benchmark.py ' + ' '.join(argv)
 
 
-def _Stop(child: subprocess.Popen[bytes]) -> None:
+def _stop(child: subprocess.Popen[bytes]) -> None:
   """SIGTERM (the child then stops its workers), SIGKILL if it hangs."""
   if child.poll() is not None:
     return
@@ -69,7 +69,7 @@ def _Stop(child: subprocess.Popen[bytes]) -> None:
     child.wait()
 
 
-def _RunAll(args: argparse.Namespace, argv: list[str]) -> int:
+def _run_all(args: argparse.Namespace, argv: list[str]) -> int:
   """Each section in a child process; then the header of the whole run."""
   start = time.time()
   rest = argv[1:]
@@ -79,25 +79,25 @@ def _RunAll(args: argparse.Namespace, argv: list[str]) -> int:
     try:
       rc = child.wait()
     finally:
-      _Stop(child)
+      _stop(child)
     if rc:
       print(f'benchmark.py: section {name!r} failed (exit {rc}).',
             file=sys.stderr)
       return rc
-  sections.Finish(args.out_dir, _Command(argv), time.time() - start)
+  sections.finish(args.out_dir, _command(argv), time.time() - start)
   return 0
 
 
 def main(argv: list[str] | None = None) -> int:
   argv = list(sys.argv[1:] if argv is None else argv)
-  args = _Parser().parse_args(argv)
+  args = _parser().parse_args(argv)
   if args.devices is None:
     args.devices = 'logical' if args.tiny else 'workers'
   if args.command == 'all':
-    return _RunAll(args, argv)
+    return _run_all(args, argv)
   start = time.time()
-  section: dict[str, Any] = sections.RunSection(args)
-  sections.Store(args.out_dir, args.command, section, _Command(argv),
+  section: dict[str, Any] = sections.run_section(args)
+  sections.store(args.out_dir, args.command, section, _command(argv),
                  time.time() - start, args)
   return 0
 

@@ -42,7 +42,7 @@ class DataUnavailableError(RuntimeError):
   """The data of an input generator is missing; the message says the fix."""
 
 
-def _IsMissingData(e: Exception) -> bool:
+def _is_missing_data(e: Exception) -> bool:
   """Whether `e` says "the data is not there" (vs. a bug in a loader)."""
   if isinstance(e, (DataUnavailableError, FileNotFoundError,
                     tf.errors.NotFoundError)):
@@ -147,7 +147,7 @@ class InMemoryInputGenerator(BaseInputGenerator):
     try:
       arrays = self.LoadArrays()
     except Exception as e:  # pylint: disable=broad-except
-      if not _IsMissingData(e):
+      if not _is_missing_data(e):
         raise
       line = str(e).strip().splitlines()[0] if str(e).strip() else repr(e)
       fix = ('' if ('prepare_data' in line or 'setup' in line) else
@@ -186,30 +186,30 @@ class InMemoryInputGenerator(BaseInputGenerator):
     tensors = self._Tensors()
     seed = int(p.seed)
 
-    def Batch(step: tf.Tensor) -> NestedMap:
-      indices = TrainIndices(step, n, size, seed)
+    def batch(step: tf.Tensor) -> NestedMap:
+      indices = train_indices(step, n, size, seed)
       batch = NestedMap({k: tf.gather(v, indices) for k, v in
                          tensors.items()})
       return self.Preprocess(batch, step)
 
     ds = tf.data.Dataset.counter(start=int(start_step), dtype=tf.int64)
-    ds = ds.map(Batch, num_parallel_calls=tf.data.AUTOTUNE,
+    ds = ds.map(batch, num_parallel_calls=tf.data.AUTOTUNE,
                 deterministic=True)
     return ds.prefetch(tf.data.AUTOTUNE)
 
   def EvalDataset(self) -> tf.data.Dataset:
-    def Batch(batch: dict[str, tf.Tensor]) -> NestedMap:
+    def batch(batch: dict[str, tf.Tensor]) -> NestedMap:
       return self.Preprocess(NestedMap(batch), None)
 
     ds = tf.data.Dataset.from_tensor_slices(self._Tensors())
     ds = ds.batch(self.params.batch_size, drop_remainder=False)
-    ds = ds.map(Batch, num_parallel_calls=tf.data.AUTOTUNE,
+    ds = ds.map(batch, num_parallel_calls=tf.data.AUTOTUNE,
                 deterministic=True)
     return ds.prefetch(tf.data.AUTOTUNE)
 
 
-def TrainIndices(step: tf.Tensor, batch_size: int, num_examples: int,
-                 seed: int) -> tf.Tensor:
+def train_indices(step: tf.Tensor, batch_size: int, num_examples: int,
+                  seed: int) -> tf.Tensor:
   """Example indices of training step `step` (see the module docstring).
 
   Requires batch_size ≤ num_examples, so a step spans at most two epochs.
@@ -220,13 +220,13 @@ def TrainIndices(step: tf.Tensor, batch_size: int, num_examples: int,
   step = tf.cast(step, tf.int64)
   first = step * batch_size  # Position of the step's first example.
   epoch = first // num_examples
-  two_epochs = tf.concat([_Permutation(seed, epoch, num_examples),
-                          _Permutation(seed, epoch + 1, num_examples)], 0)
+  two_epochs = tf.concat([_permutation(seed, epoch, num_examples),
+                          _permutation(seed, epoch + 1, num_examples)], 0)
   start = first - epoch * num_examples
   return two_epochs[start:start + batch_size]
 
 
-def _Permutation(seed: int, epoch: tf.Tensor, num_examples: int) -> tf.Tensor:
+def _permutation(seed: int, epoch: tf.Tensor, num_examples: int) -> tf.Tensor:
   """The order of epoch `epoch`: a permutation of range(num_examples)."""
   return tf.random.experimental.stateless_shuffle(
       tf.range(num_examples, dtype=tf.int64),

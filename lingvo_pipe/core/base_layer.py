@@ -38,7 +38,7 @@ A custom layer needs only this module:
 
       @classmethod
       def FPropMeta(cls, p, x):
-        return base_layer.LayerMeta.Build(
+        return base_layer.LayerMeta.build(
             p, flops=x.num_elements(), out_shapes=(x,), num_params=p.dim)
 """
 
@@ -63,7 +63,7 @@ from lingvo_pipe.core.nested_map import NestedMap
 __all__ = [
     'BaseLayer', 'FPropContext', 'LayerError', 'LayerMeta', 'NestedMap',
     'Params', 'StatsCollector', 'WeightInit', 'WeightParams', 'fprop_context',
-    'StableSeed',
+    'stable_seed',
 ]
 
 DEFAULT_RANDOM_SEED = 1234
@@ -132,7 +132,7 @@ def WeightParams(shape: Sequence[int],
   return p
 
 
-def StableSeed(*parts: Any) -> tf.Tensor:
+def stable_seed(*parts: Any) -> tf.Tensor:
   """A [2] int64 seed for stateless RNG ops from a stable hash of `parts`."""
   digest = hashlib.md5('/'.join(str(x) for x in parts).encode()).digest()
   a = int.from_bytes(digest[:4], 'little') & 0x7FFFFFFF
@@ -140,7 +140,7 @@ def StableSeed(*parts: Any) -> tf.Tensor:
   return tf.constant([a, b], dtype=tf.int64)
 
 
-def _Fans(shape: Sequence[int]) -> tuple[int, int]:
+def _fans(shape: Sequence[int]) -> tuple[int, int]:
   if not shape:
     return 1, 1
   if len(shape) == 1:
@@ -149,10 +149,10 @@ def _Fans(shape: Sequence[int]) -> tuple[int, int]:
   return shape[-2] * receptive, shape[-1] * receptive
 
 
-def _InitialValue(shape: list[int], init: Params, dtype: tf.DType,
-                  seed: tf.Tensor) -> tf.Tensor:
+def _initial_value(shape: list[int], init: Params, dtype: tf.DType,
+                   seed: tf.Tensor) -> tf.Tensor:
   method, scale = init.method, init.scale
-  fan_in, fan_out = _Fans(shape)
+  fan_in, fan_out = _fans(shape)
   if method == 'constant':
     return tf.fill(shape, tf.cast(scale, dtype))
   if method == 'gaussian':
@@ -174,11 +174,11 @@ def _InitialValue(shape: list[int], init: Params, dtype: tf.DType,
 
 
 # ---- Cost record ------------------------------------------------------------
-def _Elements(shape: tf.TensorShape) -> int:
+def _elements(shape: tf.TensorShape) -> int:
   return int(np.prod([d if d is not None else 1 for d in shape.as_list()]))
 
 
-def AsShape(x: Any) -> Any:
+def as_shape(x: Any) -> Any:
   """Converts a shape, list of ints or nested structure of them to TensorShapes."""
   if isinstance(x, tf.TensorShape):
     return x
@@ -186,9 +186,9 @@ def AsShape(x: Any) -> Any:
       isinstance(d, (int, type(None))) for d in x):
     return tf.TensorShape(x)
   if isinstance(x, dict):
-    return NestedMap({k: AsShape(v) for k, v in x.items()})
+    return NestedMap({k: as_shape(v) for k, v in x.items()})
   if isinstance(x, (list, tuple)):
-    return type(x)(AsShape(v) for v in x)
+    return type(x)(as_shape(v) for v in x)
   return tf.TensorShape(x)
 
 
@@ -205,12 +205,12 @@ class LayerMeta:
   out_bytes: int
 
   @staticmethod
-  def Build(p: Params, flops: float, out_shapes: Sequence[Any],
+  def build(p: Params, flops: float, out_shapes: Sequence[Any],
             num_params: int, out_dtype: tf.DType | None = None) -> 'LayerMeta':
     dtype = out_dtype or p.fprop_dtype or p.dtype
-    shapes = tuple(AsShape(s) for s in out_shapes)
+    shapes = tuple(as_shape(s) for s in out_shapes)
     leaves = [s for s in tf.nest.flatten(shapes)]
-    out_bytes = sum(_Elements(s) for s in leaves) * dtype.size
+    out_bytes = sum(_elements(s) for s in leaves) * dtype.size
     return LayerMeta(
         flops=int(flops),
         out_shapes=shapes,
@@ -228,7 +228,7 @@ class LayerMeta:
 _BUILD = threading.local()
 
 
-def _SnakeCase(name: str) -> str:
+def _snake_case(name: str) -> str:
   return re.sub(r'(?<!^)(?=[A-Z])', '_', name).lower()
 
 
@@ -249,7 +249,7 @@ class BaseLayer(tf.Module):
     return p
 
   def __init__(self, params: InstantiableParams) -> None:
-    name = params.name or _SnakeCase(type(self).__name__)
+    name = params.name or _snake_case(type(self).__name__)
     super().__init__(name=re.sub(r'\W', '_', name))
     parent: BaseLayer | None = getattr(_BUILD, 'parent', None)
     child_name: str | None = getattr(_BUILD, 'child_name', None)
@@ -369,8 +369,8 @@ class BaseLayer(tf.Module):
     dtype = wp.dtype or self._params.dtype
     init = wp.init or self._params.params_init
     shape = [int(d) for d in wp.shape]
-    seed = StableSeed(self._random_seed, self.path, name)
-    value = _InitialValue(shape, init, dtype, seed)
+    seed = stable_seed(self._random_seed, self.path, name)
+    value = _initial_value(shape, init, dtype, seed)
     var = tf.Variable(value, trainable=wp.trainable,
                       name=re.sub(r'[^\w./-]', '_', f'{self.path}/{name}'))
     self._private_vars[name] = var
@@ -425,6 +425,6 @@ class BaseLayer(tf.Module):
   def AddStats(self, stats: NestedMap) -> None:
     """Called from FProp: adds this call's sufficient statistics, if
     the current context collects them (training forward, not recompute)."""
-    collector = fprop_context.Current().stats
+    collector = fprop_context.current().stats
     if collector is not None:
-      collector.Add(self.path, stats)
+      collector.add(self.path, stats)

@@ -46,7 +46,7 @@ from lingvo_pipe.core.nested_map import NestedMap
 Metrics = dict[str, tuple[tf.Tensor, tf.Tensor]]
 
 
-def TrainParams() -> Params:
+def train_params() -> Params:
   """Training hyperparameters shared by every task (`task.train`)."""
   p = Params()
   p.Define('optimizer', 'adam', 'One of: sgd (momentum), adam, rmsprop.')
@@ -82,7 +82,7 @@ class BaseTask(base_layer.BaseLayer):
   @classmethod
   def Params(cls) -> InstantiableParams:
     p = super().Params()
-    p.Define('train', TrainParams(), 'Training hyperparameters.')
+    p.Define('train', train_params(), 'Training hyperparameters.')
     return p
 
   def ComputePredictions(self, theta: NestedMap, batch: NestedMap) -> Any:

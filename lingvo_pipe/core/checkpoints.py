@@ -19,7 +19,7 @@ CHECKPOINT_PREFIX = 'ckpt'
 _STEP = re.compile(r'-(\d+)$')
 
 
-def StepOf(path: str) -> int:
+def step_of(path: str) -> int:
   """The step in a checkpoint path such as '/logdir/ckpt-300'."""
   m = _STEP.search(os.path.basename(path))
   if not m:
@@ -27,7 +27,7 @@ def StepOf(path: str) -> int:
   return int(m.group(1))
 
 
-def ListCheckpoints(logdir: str) -> list[str]:
+def list_checkpoints(logdir: str) -> list[str]:
   """Complete checkpoints listed in `logdir/checkpoint`, oldest step first.
 
   Paths are rebased onto `logdir` (the state file may hold paths as the
@@ -44,9 +44,9 @@ def ListCheckpoints(logdir: str) -> list[str]:
   if state.model_checkpoint_path:
     paths.add(os.path.join(logdir,
                            os.path.basename(state.model_checkpoint_path)))
-  return sorted((p for p in paths if _STEP.search(p)), key=StepOf)
+  return sorted((p for p in paths if _STEP.search(p)), key=step_of)
 
 
-def Exists(path: str) -> bool:
+def exists(path: str) -> bool:
   """Whether the files of checkpoint `path` are still on disk."""
   return tf.io.gfile.exists(path + '.index')

@@ -15,7 +15,7 @@ Workers on other hosts work the same way: connect with
 `tf.config.experimental_connect_to_cluster` to their ClusterSpec and list the
 '/job:worker/task:k/device:...' strings in `p.devices`.
 
-Every process started here is stopped by PID in `Stop()` (also on exit).
+Every process started here is stopped by PID in `stop()` (also on exit).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from typing import Sequence
 _JOB = 'worker'
 
 
-def _FreePort() -> int:
+def _free_port() -> int:
   with socket.socket() as s:
     s.bind(('127.0.0.1', 0))
     return s.getsockname()[1]
@@ -61,7 +61,7 @@ class LocalCluster:
         [k % ncpu] for k in range(num_workers)]
     self._threads = threads_per_worker
     self._connect = connect
-    self._addrs = [f'127.0.0.1:{_FreePort()}' for _ in range(num_workers)]
+    self._addrs = [f'127.0.0.1:{_free_port()}' for _ in range(num_workers)]
     self._procs: list[subprocess.Popen[bytes]] = []
     self._logs: list[str] = []
 
@@ -74,7 +74,7 @@ class LocalCluster:
   def pids(self) -> list[int]:
     return [p.pid for p in self._procs]
 
-  def Start(self) -> 'LocalCluster':
+  def start(self) -> 'LocalCluster':
     spec = json.dumps({_JOB: self._addrs})
     for k, cores in enumerate(self._cores):
       log = f'/tmp/lingvo_pipe_worker_{os.getpid()}_{k}.log'
@@ -87,8 +87,8 @@ class LocalCluster:
         self._procs.append(subprocess.Popen(cmd, stdout=f,
                                             stderr=subprocess.STDOUT,
                                             env=env))
-    atexit.register(self.Stop)
-    self._WaitReady()
+    atexit.register(self.stop)
+    self._wait_ready()
     if self._connect:
       import tensorflow as tf  # Late: workers must not pay for it twice.
       tf.config.experimental_connect_to_cluster(
@@ -96,13 +96,13 @@ class LocalCluster:
           make_master_device_default=False)
     return self
 
-  def _WaitReady(self, timeout_s: float = 120.0) -> None:
+  def _wait_ready(self, timeout_s: float = 120.0) -> None:
     deadline = time.time() + timeout_s
     for k, addr in enumerate(self._addrs):
       host, port = addr.split(':')
       while True:
         if self._procs[k].poll() is not None:
-          self.Stop()
+          self.stop()
           raise ClusterError(f'Worker {k} exited: ' +
                              open(self._logs[k]).read()[-2000:])
         try:
@@ -110,12 +110,12 @@ class LocalCluster:
             break
         except OSError:
           if time.time() > deadline:
-            self.Stop()
+            self.stop()
             raise ClusterError(f'Worker {k} at {addr} did not start in '
                                f'{timeout_s:.0f} s.') from None
           time.sleep(0.2)
 
-  def Stop(self) -> None:
+  def stop(self) -> None:
     """Stops every worker process by PID (idempotent)."""
     for proc in self._procs:
       if proc.poll() is None:
@@ -132,13 +132,13 @@ class LocalCluster:
     self._logs = []
 
   def __enter__(self) -> 'LocalCluster':
-    return self.Start()
+    return self.start()
 
   def __exit__(self, *exc: object) -> None:
-    self.Stop()
+    self.stop()
 
 
-def _DieWithParent() -> None:
+def _die_with_parent() -> None:
   """Linux: SIGKILL this worker when its client dies (atexit never runs on
   SIGKILL/SIGTERM, and orphaned workers held GBs of memory)."""
   try:
@@ -147,12 +147,12 @@ def _DieWithParent() -> None:
     libc = ctypes.CDLL('libc.so.6', use_errno=True)
     libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
   except (OSError, AttributeError):
-    pass  # Not Linux: Stop() and atexit remain.
+    pass  # Not Linux: stop() and atexit remain.
 
 
-def _Serve(spec: str, task: int, threads: int, cores: str) -> None:
+def _serve(spec: str, task: int, threads: int, cores: str) -> None:
   """Worker process body: pin, start a server, serve forever."""
-  _DieWithParent()
+  _die_with_parent()
   if cores:
     os.sched_setaffinity(0, {int(c) for c in cores.split(',')})
   import tensorflow as tf
@@ -166,4 +166,4 @@ def _Serve(spec: str, task: int, threads: int, cores: str) -> None:
 
 
 if __name__ == '__main__':
-  _Serve(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
+  _serve(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])

@@ -3,7 +3,7 @@
 Stage k runs on device k. With K accelerators present, those are used; on a
 laptop or a CI machine the single physical CPU is split into K *logical* CPU
 devices. TensorFlow fixes the logical device list when the runtime starts, so
-`ConfigureLogicalCpus` must run before the first op (the trainer does it from
+`configure_logical_cpus` must run before the first op (the trainer does it from
 its flags; tests do it in conftest.py).
 """
 
@@ -16,7 +16,7 @@ class DeviceError(RuntimeError):
   """Devices asked for do not exist; the message says how to get them."""
 
 
-def ConfigureLogicalCpus(num_devices: int) -> None:
+def configure_logical_cpus(num_devices: int) -> None:
   """Splits the CPU into `num_devices` logical devices (before any op runs).
 
   Idempotent: calling again with a number no larger than the configured one
@@ -38,11 +38,11 @@ def ConfigureLogicalCpus(num_devices: int) -> None:
     raise DeviceError(
         f'Asked for {num_devices} logical CPU devices but TensorFlow already '
         f'started with {have}. Call lingvo_pipe.core.devices.'
-        f'ConfigureLogicalCpus({num_devices}) before any TensorFlow op runs '
+        f'configure_logical_cpus({num_devices}) before any TensorFlow op runs '
         '(the trainer does it from --num_logical_cpu_devices).') from e
 
 
-def DefaultDevices(num_stages: int) -> list[str]:
+def default_devices(num_stages: int) -> list[str]:
   """K local accelerators if there are K, else K logical CPU devices."""
   for kind in ('GPU', 'TPU'):
     found = tf.config.list_logical_devices(kind)
@@ -58,26 +58,26 @@ def DefaultDevices(num_stages: int) -> list[str]:
   raise DeviceError(
       f'{num_stages} stages need {num_stages} devices; found {len(cpus)} '
       'logical CPU devices and no accelerators. Pass devices explicitly or '
-      f'call ConfigureLogicalCpus({num_stages}) at start-up.')
+      f'call configure_logical_cpus({num_stages}) at start-up.')
 
 
-def _Key(name: str) -> tuple[str, str, int, str, int]:
+def _key(name: str) -> tuple[str, str, int, str, int]:
   spec = tf.DeviceSpec.from_string(name)
   job = spec.job or 'localhost'
   return (job, str(spec.replica or 0), spec.task or 0,
           (spec.device_type or 'CPU').upper(), spec.device_index or 0)
 
 
-def CheckDevices(names: list[str], where: str) -> None:
+def check_devices(names: list[str], where: str) -> None:
   """Raises DeviceError naming any device TensorFlow does not know.
 
   Without this check soft placement silently runs a misspelt or missing
   stage device (e.g. '/device:CPU:7' on a 2-device host) somewhere else.
   """
-  known = {_Key(d.name) for d in tf.config.list_logical_devices()}
+  known = {_key(d.name) for d in tf.config.list_logical_devices()}
   for i, name in enumerate(names):
     try:
-      key = _Key(name)
+      key = _key(name)
     except ValueError as e:
       raise DeviceError(f'{where}: devices[{i}]={name!r} is not a device '
                         f'string ({e}); use e.g. "/device:CPU:1", "/GPU:0" '

@@ -18,7 +18,7 @@ through every signature:
   and the task folds it into moving averages once per step. A recompute pass
   runs with no collector, so nothing is counted twice.
 
-The engine and the trainer open contexts; layers only read `Current()`.
+The engine and the trainer open contexts; layers only read `current()`.
 """
 
 from __future__ import annotations
@@ -39,14 +39,14 @@ class StatsCollector:
   def __init__(self) -> None:
     self._stats: dict[str, NestedMap] = {}
 
-  def Add(self, path: str, stats: NestedMap) -> None:
+  def add(self, path: str, stats: NestedMap) -> None:
     if path in self._stats:
       stats = tf.nest.map_structure(tf.add, self._stats[path], stats)
     self._stats[path] = stats
 
-  def Merge(self, other: dict[str, NestedMap]) -> None:
+  def merge(self, other: dict[str, NestedMap]) -> None:
     for path, stats in other.items():
-      self.Add(path, stats)
+      self.add(path, stats)
 
   @property
   def stats(self) -> dict[str, NestedMap]:
@@ -68,16 +68,16 @@ class FPropContext:
 _LOCAL = threading.local()
 
 
-def Current() -> FPropContext:
+def current() -> FPropContext:
   """The innermost open context; an inference context if none is open."""
   stack = getattr(_LOCAL, 'stack', None)
   return stack[-1] if stack else FPropContext()
 
 
 @contextlib.contextmanager
-def Scope(**overrides: Any) -> Iterator[FPropContext]:
+def scope(**overrides: Any) -> Iterator[FPropContext]:
   """Opens a context that changes some fields of the current one."""
-  ctx = dataclasses.replace(Current(), **overrides)
+  ctx = dataclasses.replace(current(), **overrides)
   stack = getattr(_LOCAL, 'stack', None)
   if stack is None:
     stack = _LOCAL.stack = []

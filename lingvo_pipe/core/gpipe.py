@@ -5,7 +5,7 @@
         num_micro_batches=8, input_shapes=[[64, 784]])
     net = p.Instantiate()
     with tf.GradientTape() as tape:
-      with fprop_context.Scope(training=True, step=step):
+      with fprop_context.scope(training=True, step=step):
         logits = net.FProp(net.theta, images)
       loss = ...
     grads = tape.gradient(loss, net.trainable_variables)   # exact
@@ -49,14 +49,14 @@ class PipelineError(ValueError):
   """Bad pipeline params or inputs; the message names the values and fix."""
 
 
-def _AsTuple(out: Any) -> tuple[Any, ...]:
+def _as_tuple(out: Any) -> tuple[Any, ...]:
   return out if isinstance(out, tuple) else (out,)
 
 
-def LayerMetas(layer_params: list[Any], input_shapes: Any,
-               where: str = 'pipeline') -> list[base_layer.LayerMeta]:
+def layer_metas(layer_params: list[Any], input_shapes: Any,
+                where: str = 'pipeline') -> list[base_layer.LayerMeta]:
   """FPropMeta of each layer of a sequence, each fed the previous outputs."""
-  shapes = _AsTuple(base_layer.AsShape(tuple(input_shapes)))
+  shapes = _as_tuple(base_layer.as_shape(tuple(input_shapes)))
   metas = []
   for i, lp in enumerate(layer_params):
     try:
@@ -111,7 +111,7 @@ class PipeliningLayer(base_layer.BaseLayer):
     if p.recompute not in pipeline.RECOMPUTE_POLICIES:
       raise PipelineError(f'{self.path}: recompute={p.recompute!r}; use one '
                           f'of {pipeline.RECOMPUTE_POLICIES}.')
-    self._metas = (LayerMetas(list(p.layers), p.input_shapes, self.path)
+    self._metas = (layer_metas(list(p.layers), p.input_shapes, self.path)
                    if p.input_shapes is not None else None)
     self._costs = self._Costs()
     self._boundaries = self._Partition()
@@ -159,17 +159,17 @@ class PipeliningLayer(base_layer.BaseLayer):
     if p.devices is None:
       for kind in ('GPU', 'TPU'):
         if len(tf.config.list_logical_devices(kind)) >= k:
-          return devices_lib.DefaultDevices(k)
+          return devices_lib.default_devices(k)
       try:
-        devices_lib.ConfigureLogicalCpus(k)
+        devices_lib.configure_logical_cpus(k)
       except devices_lib.DeviceError:
-        pass  # Runtime already started; DefaultDevices explains or shares.
-      return devices_lib.DefaultDevices(k)
+        pass  # Runtime already started; default_devices explains or shares.
+      return devices_lib.default_devices(k)
     if len(p.devices) < k:
       raise PipelineError(
           f'{self.path}: {k} stages but only {len(p.devices)} devices '
           f'{list(p.devices)}; give one device per stage.')
-    devices_lib.CheckDevices(list(p.devices[:k]), self.path)
+    devices_lib.check_devices(list(p.devices[:k]), self.path)
     return list(p.devices[:k])
 
   def _CreateStages(self) -> None:
@@ -212,7 +212,7 @@ class PipeliningLayer(base_layer.BaseLayer):
     first, last = self._boundaries[k], self._boundaries[k + 1]
     x = inputs
     for i, theta in zip(range(first, last), thetas):
-      x = _AsTuple(self.children.layers[i].FProp(theta, *x))
+      x = _as_tuple(self.children.layers[i].FProp(theta, *x))
       self._CheckShapes(i, x)
     return x
 
@@ -224,12 +224,12 @@ class PipeliningLayer(base_layer.BaseLayer):
     got = [t.shape for t in tf.nest.flatten(outputs)]
     bd = self.params.batch_dim
 
-    def _Strip(s: tf.TensorShape) -> list[Any]:
+    def _strip(s: tf.TensorShape) -> list[Any]:
       dims = s.as_list() if s.rank is not None else []
       return dims[:bd] + dims[bd + 1:]
 
     if len(want) != len(got) or any(
-        not tf.TensorShape(_Strip(w)).is_compatible_with(_Strip(g))
+        not tf.TensorShape(_strip(w)).is_compatible_with(_strip(g))
         for w, g in zip(want, got)):
       name = self.params.layers[i].cls.__name__
       raise PipelineError(
@@ -250,21 +250,21 @@ class PipeliningLayer(base_layer.BaseLayer):
   def FProp(self, theta: NestedMap, *inputs: Any) -> Any:
     p = self.params
     stages = self._Stages(theta)
-    if not fprop_context.Current().training:
+    if not fprop_context.current().training:
       x = tuple(inputs)
       for stage in stages:  # Inference: whole batch, no micro-batches.
         with tf.device(stage.device):
           x = stage.fprop(stage.theta, x)
       return x[0] if len(x) == 1 else x
-    n = microbatch.BatchSize(inputs, p.batch_dim, self.path)
-    m = microbatch.NumMicroBatches(n, p.num_micro_batches,
-                                   p.micro_batch_size, self.path)
-    out = pipeline.Run(stages, tuple(inputs), m, p.recompute, p.batch_dim)
+    n = microbatch.batch_size(inputs, p.batch_dim, self.path)
+    m = microbatch.num_micro_batches(n, p.num_micro_batches,
+                                     p.micro_batch_size, self.path)
+    out = pipeline.run(stages, tuple(inputs), m, p.recompute, p.batch_dim)
     return out[0] if len(out) == 1 else out
 
   @classmethod
   def FPropMeta(cls, p: Any, *input_shapes: Any) -> base_layer.LayerMeta:
-    metas = LayerMetas(list(p.layers), input_shapes, p.name or 'pipeline')
+    metas = layer_metas(list(p.layers), input_shapes, p.name or 'pipeline')
     total = metas[0]
     for meta in metas[1:]:
       total = total + meta
@@ -276,8 +276,8 @@ class PipeliningLayer(base_layer.BaseLayer):
     p = self.params
     if self._metas is None:
       raise PipelineError(f'{self.path}: set p.input_shapes to simulate.')
-    input_bytes = base_layer.LayerMeta.Build(
-        p, 0, base_layer.AsShape(tuple(p.input_shapes)), 0).out_bytes
+    input_bytes = base_layer.LayerMeta.build(
+        p, 0, base_layer.as_shape(tuple(p.input_shapes)), 0).out_bytes
     costs = simulator.stage_costs_from_layers(
         [m.flops for m in self._metas], [m.out_bytes for m in self._metas],
         [m.param_bytes for m in self._metas], input_bytes, self._boundaries,
@@ -299,14 +299,14 @@ class TransparencyReport:
             f'{self.gradients:.2e} (worst: {self.worst_variable})')
 
 
-def _RelDiff(got: Any, want: Any) -> tuple[float, int]:
+def _rel_diff(got: Any, want: Any) -> tuple[float, int]:
   """Max leaf-wise |got−want| / scale, scale floored at 1e-3 × the largest."""
-  def _Dense(x: Any) -> np.ndarray:  # Embedding gradients are IndexedSlices.
+  def _dense(x: Any) -> np.ndarray:  # Embedding gradients are IndexedSlices.
     if x is None:  # No gradient (e.g. BatchNorm's moving averages).
       return np.zeros([0])
     return np.asarray(tf.convert_to_tensor(x), np.float64)
 
-  pairs = [(_Dense(a), _Dense(b))
+  pairs = [(_dense(a), _dense(b))
            for a, b in zip(tf.nest.flatten(got), tf.nest.flatten(want))]
   top = max((float(np.max(np.abs(b))) for _, b in pairs if b.size),
             default=0.0)
@@ -343,41 +343,41 @@ def check_transparency(params: Any, inputs: tuple[Any, ...],
     A TransparencyReport; ≲1e-5 means float32 rounding only.
   """
   net = params.Instantiate()
-  n = microbatch.BatchSize(inputs, net.params.batch_dim, net.path)
+  n = microbatch.batch_size(inputs, net.params.batch_dim, net.path)
   if loss_fn is None:
     loss_fn = lambda out: tf.add_n([  # pylint: disable=g-long-lambda
         tf.reduce_sum(tf.square(x)) for x in tf.nest.flatten(out)
         if x.dtype.is_floating]) / tf.cast(n, tf.float32)
 
   @tf.function
-  def _Pipelined():
+  def _pipelined():
     with tf.GradientTape() as tape:
-      with fprop_context.Scope(training=True, step=step):
+      with fprop_context.scope(training=True, step=step):
         loss = loss_fn(net.FProp(net.theta, *inputs))
     return loss, tape.gradient(loss, net.theta)
 
-  m = (microbatch.NumMicroBatches(n, net.params.num_micro_batches,
-                                  net.params.micro_batch_size, net.path)
+  m = (microbatch.num_micro_batches(n, net.params.num_micro_batches,
+                                    net.params.micro_batch_size, net.path)
        if micro_batched_reference else 1)
-  micro = microbatch.Split(tuple(inputs), m, net.params.batch_dim)
+  micro = microbatch.split(tuple(inputs), m, net.params.batch_dim)
   outs = []
   with tf.GradientTape() as tape:
     for i, x in enumerate(micro):
-      with fprop_context.Scope(training=True, step=step, micro_batch_index=i,
+      with fprop_context.scope(training=True, step=step, micro_batch_index=i,
                                num_micro_batches=m,
                                batch_dim=net.params.batch_dim):
         for layer, theta in zip(net.children.layers, net.theta.layers):
-          x = _AsTuple(layer.FProp(theta, *x))
+          x = _as_tuple(layer.FProp(theta, *x))
       outs.append(x)
-    out = microbatch.Concat(outs, net.params.batch_dim)
+    out = microbatch.concat(outs, net.params.batch_dim)
     want_loss = loss_fn(out[0] if len(out) == 1 else out)
   want_grads = tape.gradient(want_loss, net.theta)
-  got_loss, got_grads = _Pipelined()
-  with fprop_context.Scope(training=True, step=step):
+  got_loss, got_grads = _pipelined()
+  with fprop_context.scope(training=True, step=step):
     got_out = net.FProp(net.theta, *inputs)
   names = [k for k, _ in NestedMap(net.theta).FlattenItems()]
-  grads, where = _RelDiff(got_grads, want_grads)
+  grads, where = _rel_diff(got_grads, want_grads)
   return TransparencyReport(
-      loss=_RelDiff(got_loss, want_loss)[0],
-      outputs=_RelDiff(_AsTuple(got_out), out)[0], gradients=grads,
+      loss=_rel_diff(got_loss, want_loss)[0],
+      outputs=_rel_diff(_as_tuple(got_out), out)[0], gradients=grads,
       worst_variable=names[where] if where >= 0 else '')

@@ -28,7 +28,7 @@ _PATH_PART = re.compile(r'^([A-Za-z_]\w*)((?:\[\d+\])*)$')
 _LIST_HEADER = re.compile(r'^(list|tuple)\(len=(\d+)\)$')
 
 
-def _Suggest(name: str, candidates: list[str]) -> str:
+def _suggest(name: str, candidates: list[str]) -> str:
   close = difflib.get_close_matches(name, candidates, n=3, cutoff=0.6)
   return f' Did you mean {" or ".join(repr(c) for c in close)}?' if close else ''
 
@@ -136,7 +136,7 @@ class Params:
     new.__dict__['_frozen'] = False
     new.__dict__['_path'] = self._path
     for name, param in self._params.items():
-      new._params[name] = _Param(name, _CopyValue(param.value), param.doc)
+      new._params[name] = _Param(name, _copy_value(param.value), param.doc)
       new._params[name].default = param.default
     return new
 
@@ -144,7 +144,7 @@ class Params:
     """Makes this tree (and every nested Params) read-only; returns self."""
     self.__dict__['_frozen'] = True
     for name, value in self.IterParams():
-      for _, sub in _NestedParams(value, name):
+      for _, sub in _nested_params(value, name):
         sub.Freeze()
     return self
 
@@ -167,7 +167,7 @@ class Params:
     value is parsed into the type of the value it replaces; a mismatch
     raises an error naming the key, the text and the expected type.
     """
-    for raw in params_text.SplitLines(text):
+    for raw in params_text.split_lines(text):
       line = raw.strip()
       if not line or line.startswith('#'):
         continue
@@ -199,7 +199,7 @@ class Params:
   def _UnknownKey(self, name: str) -> ParamsError:
     return ParamsError(
         f'Unknown param {self._Full(name)!r}.'
-        f'{_Suggest(name, list(self._params))} Defined here: '
+        f'{_suggest(name, list(self._params))} Defined here: '
         f'{", ".join(self._params) or "(none)"}.')
 
   def _CheckMutable(self, name: str) -> None:
@@ -211,7 +211,7 @@ class Params:
 
   def _Adopt(self, name: str, value: Any) -> None:
     """Records the full path of nested Params (all levels) for messages."""
-    for path, sub in _NestedParams(value, self._Full(name)):
+    for path, sub in _nested_params(value, self._Full(name)):
       sub.__dict__['_path'] = path
       for key, item in sub.IterParams():
         sub._Adopt(key, item)
@@ -235,7 +235,7 @@ class Params:
         raise ParamsError(
             f'Unknown param {self._Full(".".join(done + [key]))!r} in path '
             f'{path!r}.'
-            f'{_Suggest(key, list(node._params))} Defined at this level: '
+            f'{_suggest(key, list(node._params))} Defined at this level: '
             f'{", ".join(node._params) or "(none)"}.')
       last = depth == len(parts) - 1
       if last and len(indices) <= 1:
@@ -289,11 +289,11 @@ class Params:
     old = getattr(parent, key) if index is None else getattr(parent,
                                                              key)[index]
     suffix = '' if index is None else f'[{index}]'
-    parent.Set(**{key + suffix: params_text.ParseValue(text_value, old, path)})
+    parent.Set(**{key + suffix: params_text.parse_value(text_value, old, path)})
 
   def _SetClassFromText(self, owner_path: str, text_value: str) -> None:
     """`x.cls : type/...`: (re)builds x from the class's own Params()."""
-    new_cls = params_text.ParseValue(text_value, type, f'{owner_path}.cls')
+    new_cls = params_text.parse_value(text_value, type, f'{owner_path}.cls')
     parent, key, index = self._Walk(owner_path, create=True)
     owner = getattr(parent, key) if index is None else getattr(parent,
                                                                key)[index]
@@ -308,7 +308,7 @@ class Params:
   def _Flat(self) -> dict[str, str]:
     out: dict[str, str] = {}
     for name, value in self.IterParams():
-      _Flatten(name, value, out)
+      _flatten(name, value, out)
     return out
 
 
@@ -328,24 +328,24 @@ class InstantiableParams(Params):
 
 
 # ---- Value (de)serialisation -------------------------------------------------
-def _NestedParams(value: Any, path: str) -> Iterator[tuple[str, Params]]:
+def _nested_params(value: Any, path: str) -> Iterator[tuple[str, Params]]:
   """(path, Params) for `value` or each Params in a (nested) list of it."""
   if isinstance(value, Params):
     yield path, value
   elif isinstance(value, (list, tuple)):
     for i, item in enumerate(value):
-      yield from _NestedParams(item, f'{path}[{i}]')
+      yield from _nested_params(item, f'{path}[{i}]')
 
 
-def _CopyValue(value: Any) -> Any:
+def _copy_value(value: Any) -> Any:
   if isinstance(value, Params):
     return value.Copy()
   if isinstance(value, list):
-    return [_CopyValue(v) for v in value]
+    return [_copy_value(v) for v in value]
   if isinstance(value, tuple):
-    return tuple(_CopyValue(v) for v in value)
+    return tuple(_copy_value(v) for v in value)
   if isinstance(value, dict):
-    return {k: _CopyValue(v) for k, v in value.items()}
+    return {k: _copy_value(v) for k, v in value.items()}
   return value
 
 
@@ -358,14 +358,14 @@ class _OpenParams(Params):
     super().__setattr__(name, value)
 
 
-def _Flatten(path: str, value: Any, out: dict[str, str]) -> None:
+def _flatten(path: str, value: Any, out: dict[str, str]) -> None:
   if isinstance(value, Params):
     for name, sub in value.IterParams():
-      _Flatten(f'{path}.{name}', sub, out)
+      _flatten(f'{path}.{name}', sub, out)
   elif isinstance(value, (list, tuple)) and any(
       isinstance(v, Params) for v in value):
     out[path] = f'{type(value).__name__}(len={len(value)})'
     for i, item in enumerate(value):
-      _Flatten(f'{path}[{i}]', item, out)
+      _flatten(f'{path}[{i}]', item, out)
   else:
-    out[path] = params_text.ValueToText(path, value)
+    out[path] = params_text.value_to_text(path, value)

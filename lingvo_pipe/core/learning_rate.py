@@ -33,7 +33,7 @@ class ScheduleError(ValueError):
   """Training params that define no valid schedule."""
 
 
-def Validate(train: Params) -> None:
+def validate(train: Params) -> None:
   """Checks `task.train`'s schedule fields; raises ScheduleError naming one."""
   if train.lr_schedule not in SCHEDULES:
     raise ScheduleError(
@@ -53,17 +53,17 @@ def Validate(train: Params) -> None:
         f'({train.max_steps}); make max_steps larger than the warm-up.')
 
 
-def LearningRate(train: Params, step: tf.Tensor | int) -> tf.Tensor:
+def learning_rate(train: Params, step: tf.Tensor | int) -> tf.Tensor:
   """The learning rate (float32 scalar) of update number `step`.
 
   Args:
-    train: `task.train` Params (see `base_model.TrainParams`).
+    train: `task.train` Params (see `base_model.train_params`).
     step: Updates applied so far: a Python int or an integer scalar tensor.
 
   Returns:
     A float32 scalar tensor.
   """
-  Validate(train)
+  validate(train)
   s = tf.cast(step, tf.float32)
   lr = tf.constant(train.learning_rate, tf.float32)
   w = float(train.lr_warmup_steps)

@@ -18,7 +18,7 @@ class MicroBatchError(ValueError):
   """The batch cannot be split as asked; the message names the fix."""
 
 
-def BatchSize(inputs: Any, batch_dim: int, where: str) -> int | tf.Tensor:
+def batch_size(inputs: Any, batch_dim: int, where: str) -> int | tf.Tensor:
   """The common batch size of every leaf of `inputs` (static if known)."""
   leaves = tf.nest.flatten(inputs)
   if not leaves:
@@ -43,8 +43,8 @@ def BatchSize(inputs: Any, batch_dim: int, where: str) -> int | tf.Tensor:
   return tf.shape(leaves[0])[batch_dim]
 
 
-def NumMicroBatches(batch_size: int | tf.Tensor, num_micro_batches: int,
-                    micro_batch_size: int | None, where: str) -> int:
+def num_micro_batches(batch_size: int | tf.Tensor, num_micro_batches: int,
+                      micro_batch_size: int | None, where: str) -> int:
   """M from the params, checked against the batch size N."""
   if micro_batch_size is not None:
     if micro_batch_size < 1:
@@ -85,7 +85,7 @@ def NumMicroBatches(batch_size: int | tf.Tensor, num_micro_batches: int,
   return m
 
 
-def Split(inputs: Any, num_micro_batches: int, batch_dim: int) -> list[Any]:
+def split(inputs: Any, num_micro_batches: int, batch_dim: int) -> list[Any]:
   """[N, ...] leaves → a list of M nests of [N/M, ...] leaves."""
   if num_micro_batches == 1:
     return [inputs]
@@ -95,8 +95,8 @@ def Split(inputs: Any, num_micro_batches: int, batch_dim: int) -> list[Any]:
           for m in range(num_micro_batches)]
 
 
-def Concat(micro_outputs: list[Any], batch_dim: int) -> Any:
-  """Inverse of `Split`: a list of M nests → one nest of [N, ...] leaves."""
+def concat(micro_outputs: list[Any], batch_dim: int) -> Any:
+  """Inverse of `split`: a list of M nests → one nest of [N, ...] leaves."""
   if len(micro_outputs) == 1:
     return micro_outputs[0]
   flat = [tf.nest.flatten(o) for o in micro_outputs]

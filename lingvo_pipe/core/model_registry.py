@@ -14,7 +14,7 @@ lives. Looking a name up imports only `params.image.fashion_mnist` (a
 registry that imported every config up front would pay for, and break on,
 every unrelated model); listing the models imports them all.
 
-`GetParams(name, dataset)` composes what the binaries run, so a single
+`get_params(name, dataset)` composes what the binaries run, so a single
 override syntax reaches everything:
 
     model : 'image.fashion_mnist.AmoebaNetGPipe'
@@ -45,7 +45,7 @@ class ModelRegistryError(LookupError):
   """An unknown or ill-formed model name, or a clash between two models."""
 
 
-def ModelName(cls: type) -> str:
+def model_name(cls: type) -> str:
   """The registered name of `cls`: module path below `params.` + class name."""
   module = cls.__module__
   prefix = _PARAMS_PACKAGE + '.'
@@ -57,13 +57,13 @@ def ModelName(cls: type) -> str:
 def RegisterSingleTaskModel(
     cls: type[base_model.SingleTaskModelParams]
 ) -> type[base_model.SingleTaskModelParams]:
-  """Class decorator: registers a model config under `ModelName(cls)`."""
+  """Class decorator: registers a model config under `model_name(cls)`."""
   if not (isinstance(cls, type) and
           issubclass(cls, base_model.SingleTaskModelParams)):
     raise ModelRegistryError(
         f'RegisterSingleTaskModel got {cls!r}; decorate a subclass of '
         'base_model.SingleTaskModelParams.')
-  name = ModelName(cls)
+  name = model_name(cls)
   old = _MODELS.get(name)
   if old is not None and old.__qualname__ != cls.__qualname__:
     raise ModelRegistryError(
@@ -73,7 +73,7 @@ def RegisterSingleTaskModel(
   return cls
 
 
-def _ImportModule(name: str) -> None:
+def _import_module(name: str) -> None:
   """Imports `params.<module part of name>` if it exists."""
   module, _, _ = name.rpartition('.')
   if not module or not all(p.isidentifier() for p in module.split('.')):
@@ -89,7 +89,7 @@ def _ImportModule(name: str) -> None:
       raise
 
 
-def _ImportAll() -> None:
+def _import_all() -> None:
   """Imports every module under the `params` package."""
   try:
     package = importlib.import_module(_PARAMS_PACKAGE)
@@ -99,13 +99,13 @@ def _ImportAll() -> None:
     importlib.import_module(info.name)
 
 
-def ListModels() -> list[str]:
+def list_models() -> list[str]:
   """Every registered model name (imports all of `params`), sorted."""
-  _ImportAll()
+  _import_all()
   return sorted(_MODELS)
 
 
-def GetClass(name: str) -> type[base_model.SingleTaskModelParams]:
+def get_class(name: str) -> type[base_model.SingleTaskModelParams]:
   """The registered class of `name`, importing its module on demand.
 
   Raises:
@@ -113,10 +113,10 @@ def GetClass(name: str) -> type[base_model.SingleTaskModelParams]:
       closest registered names.
   """
   if name not in _MODELS:
-    _ImportModule(name)
+    _import_module(name)
   if name in _MODELS:
     return _MODELS[name]
-  known = ListModels()
+  known = list_models()
   close = difflib.get_close_matches(name, known, n=3, cutoff=0.5)
   if not close:  # e.g. only the class name was given.
     tail = name.rpartition('.')[2].lower()
@@ -128,7 +128,7 @@ def GetClass(name: str) -> type[base_model.SingleTaskModelParams]:
       '<class>, e.g. synthetic.regression.MlpRegression.')
 
 
-def GetParams(name: str, dataset: str) -> Params:
+def get_params(name: str, dataset: str) -> Params:
   """The composed Params of model `name` with the input of `dataset`.
 
   Args:
@@ -143,7 +143,7 @@ def GetParams(name: str, dataset: str) -> Params:
     raise ModelRegistryError(
         f'Unknown dataset {dataset!r} for model {name!r}; use one of '
         f'{", ".join(DATASETS)}.')
-  config = GetClass(name)()
+  config = get_class(name)()
   p = Params()
   p.Define('model', name, 'Registered name of the model.')
   p.Define('task', config.Task(), 'The task (model) Params.')

@@ -78,7 +78,7 @@ class NestedMap(dict):
 
   def FlattenItems(self) -> list[tuple[str, Any]]:
     """(dotted path, leaf) pairs, e.g. ('child.w', v) or ('layers[1].b', v)."""
-    return list(_Items(self, ''))
+    return list(_items(self, ''))
 
   def Pack(self, leaves: list[Any]) -> 'NestedMap':
     """The same structure with `leaves` (in `Flatten` order) as leaves."""
@@ -117,12 +117,12 @@ class NestedMap(dict):
 NestedMap._RESERVED = frozenset(dir(NestedMap))  # pylint: disable=W0212
 
 
-def _Items(node: Any, prefix: str) -> Iterator[tuple[str, Any]]:
+def _items(node: Any, prefix: str) -> Iterator[tuple[str, Any]]:
   if isinstance(node, dict):
     for key in sorted(node):
-      yield from _Items(node[key], f'{prefix}.{key}' if prefix else key)
+      yield from _items(node[key], f'{prefix}.{key}' if prefix else key)
   elif isinstance(node, (list, tuple)):
     for i, item in enumerate(node):
-      yield from _Items(item, f'{prefix}[{i}]')
+      yield from _items(item, f'{prefix}[{i}]')
   else:
     yield prefix, node

@@ -49,19 +49,19 @@ class OptimizerError(ValueError):
   """Bad optimizer params or variables; the message names the param."""
 
 
-def _SlotKey(var: tf.Variable) -> str:
+def _slot_key(var: tf.Variable) -> str:
   return re.sub(r':\d+$', '', var.name)
 
 
 class BaseOptimizer(tf.Module):
-  """Slots per variable, created on the variable's device by `Build`.
+  """Slots per variable, created on the variable's device by `build`.
 
   Subclasses list their slots (name → initial value) in `SLOTS` and implement
-  `_ApplyOne`. Usage:
+  `_apply_one`. Usage:
 
-      opt = optimizer.FromParams(task.params.train)
-      opt.Build(task.trainable_variables)       # before restoring a checkpoint
-      opt.Apply(grads, task.trainable_variables, lr, step)
+      opt = optimizer.from_params(task.params.train)
+      opt.build(task.trainable_variables)       # before restoring a checkpoint
+      opt.apply(grads, task.trainable_variables, lr, step)
   """
 
   SLOTS: dict[str, float] = {}
@@ -73,7 +73,7 @@ class BaseOptimizer(tf.Module):
     # Which variable owns each slot key; a plain dict, not checkpointed.
     object.__setattr__(self, '_owners', {})
 
-  def Build(self, variables: Sequence[tf.Variable]) -> None:
+  def build(self, variables: Sequence[tf.Variable]) -> None:
     """Creates the slots of `variables` (each on its variable's device).
 
     Raises:
@@ -81,7 +81,7 @@ class BaseOptimizer(tf.Module):
     """
     slots = dict(self._slots)
     for var in variables:
-      key = _SlotKey(var)
+      key = _slot_key(var)
       owner = self._owners.setdefault(key, var.ref())
       if owner != var.ref():
         raise OptimizerError(
@@ -98,16 +98,16 @@ class BaseOptimizer(tf.Module):
         }
     self._slots = slots  # Reassigned so tf.Module tracks the new entries.
 
-  def Slots(self, var: tf.Variable) -> dict[str, tf.Variable]:
+  def slots(self, var: tf.Variable) -> dict[str, tf.Variable]:
     """The slot variables of `var`, by slot name."""
-    key = _SlotKey(var)
+    key = _slot_key(var)
     if key not in self._slots:
       raise OptimizerError(
-          f'No slots for variable {key!r}: call Build(variables) with every '
-          'variable before Apply.')
+          f'No slots for variable {key!r}: call build(variables) with every '
+          'variable before apply().')
     return self._slots[key]
 
-  def Apply(self, grads: Sequence[tf.Tensor], variables: Sequence[tf.Variable],
+  def apply(self, grads: Sequence[tf.Tensor], variables: Sequence[tf.Variable],
             learning_rate: tf.Tensor, step: tf.Tensor) -> None:
     """Applies one update; each variable's update runs on its device.
 
@@ -125,12 +125,12 @@ class BaseOptimizer(tf.Module):
         continue
       with tf.device(var.device):
         lr = tf.cast(learning_rate, var.dtype)
-        self._ApplyOne(tf.cast(grad, var.dtype), var, self.Slots(var), lr,
-                       step)
+        self._apply_one(tf.cast(grad, var.dtype), var, self.slots(var), lr,
+                        step)
 
-  def _ApplyOne(self, g: tf.Tensor, var: tf.Variable,
-                slots: dict[str, tf.Variable], lr: tf.Tensor,
-                step: tf.Tensor) -> None:
+  def _apply_one(self, g: tf.Tensor, var: tf.Variable,
+                 slots: dict[str, tf.Variable], lr: tf.Tensor,
+                 step: tf.Tensor) -> None:
     raise NotImplementedError
 
 
@@ -139,7 +139,7 @@ class SgdMomentum(BaseOptimizer):
 
   SLOTS = {'momentum': 0.0}
 
-  def _ApplyOne(self, g, var, slots, lr, step):
+  def _apply_one(self, g, var, slots, lr, step):
     mom = slots['momentum']
     mom.assign(self._train.momentum * mom + g)
     var.assign_sub(lr * mom)
@@ -150,7 +150,7 @@ class Adam(BaseOptimizer):
 
   SLOTS = {'m': 0.0, 'v': 0.0}
 
-  def _ApplyOne(self, g, var, slots, lr, step):
+  def _apply_one(self, g, var, slots, lr, step):
     b1, b2, eps = (self._train.adam_beta1, self._train.adam_beta2,
                    self._train.epsilon)
     t = tf.cast(step, var.dtype) + 1.0
@@ -166,7 +166,7 @@ class RmsProp(BaseOptimizer):
 
   SLOTS = {'ms': 1.0, 'momentum': 0.0}
 
-  def _ApplyOne(self, g, var, slots, lr, step):
+  def _apply_one(self, g, var, slots, lr, step):
     decay, eps = self._train.rmsprop_decay, self._train.epsilon
     ms, mom = slots['ms'], slots['momentum']
     ms.assign(decay * ms + (1.0 - decay) * tf.square(g))
@@ -177,7 +177,7 @@ class RmsProp(BaseOptimizer):
 _CLASSES = {'sgd': SgdMomentum, 'adam': Adam, 'rmsprop': RmsProp}
 
 
-def Validate(train: Params) -> None:
+def validate(train: Params) -> None:
   """Checks `task.train.optimizer` and its constants; raises OptimizerError."""
   if train.optimizer not in _CLASSES:
     raise OptimizerError(f'task.train.optimizer is {train.optimizer!r}; use '
@@ -192,7 +192,7 @@ def Validate(train: Params) -> None:
                          f'{train.epsilon}.')
 
 
-def FromParams(train: Params) -> BaseOptimizer:
+def from_params(train: Params) -> BaseOptimizer:
   """The optimizer named by `task.train.optimizer`, configured by `train`."""
-  Validate(train)
+  validate(train)
   return _CLASSES[train.optimizer](train)

@@ -23,18 +23,18 @@ class ParamsError(AttributeError):
   """A key, path or value that the Params tree does not accept."""
 
 
-def ValueToText(path: str, value: Any) -> str:
+def value_to_text(path: str, value: Any) -> str:
   if isinstance(value, tf.DType):
     return f'tf.{value.name}'
   if isinstance(value, type):
     return f'type/{value.__module__}.{value.__qualname__}'
   if isinstance(value, (list, tuple)):
-    inner = ', '.join(ValueToText(path, v) for v in value)
+    inner = ', '.join(value_to_text(path, v) for v in value)
     if isinstance(value, tuple):
       return f'({inner},)' if len(value) == 1 else f'({inner})'
     return f'[{inner}]'
   if isinstance(value, dict):
-    inner = ', '.join(f'{k!r}: {ValueToText(path, v)}'
+    inner = ', '.join(f'{k!r}: {value_to_text(path, v)}'
                       for k, v in value.items())
     return '{' + inner + '}'
   if value is None or isinstance(value, (bool, int, float, str)):
@@ -52,49 +52,49 @@ _NAMES = {'None': None, 'True': True, 'False': False, 'inf': math.inf,
           'nan': math.nan}
 
 
-def _ParseText(text: str) -> Any:
+def _parse_text(text: str) -> Any:
   """Reads ToText's values: literals, inf, nan, tf.<dtype>, type/<class>.
 
   They may nest anywhere (a dict of dtypes, a list with inf). Only these
   node kinds of the parsed expression are evaluated; nothing in it runs.
   """
-  return _Eval(ast.parse(text.strip(), mode='eval').body)
+  return _eval(ast.parse(text.strip(), mode='eval').body)
 
 
-def _Eval(node: ast.AST) -> Any:
+def _eval(node: ast.AST) -> Any:
   if isinstance(node, ast.Constant):
     return node.value
   if isinstance(node, ast.Name) and node.id in _NAMES:
     return _NAMES[node.id]
   if isinstance(node, (ast.List, ast.Tuple)):
-    items = [_Eval(e) for e in node.elts]
+    items = [_eval(e) for e in node.elts]
     return items if isinstance(node, ast.List) else tuple(items)
   if isinstance(node, ast.Dict) and None not in node.keys:
-    return {_Eval(k): _Eval(v) for k, v in zip(node.keys, node.values)}
+    return {_eval(k): _eval(v) for k, v in zip(node.keys, node.values)}
   if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
-    value = _Eval(node.operand)
+    value = _eval(node.operand)
     if isinstance(value, (int, float)) and not isinstance(value, bool):
       return -value
-  dotted = _Dotted(node)
+  dotted = _dotted(node)
   if dotted and dotted.startswith('tf.'):
     return tf.as_dtype(dotted[3:])
   if (isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div) and
-      _Dotted(node.left) == 'type' and _Dotted(node.right)):
-    return _ImportClass(_Dotted(node.right))
+      _dotted(node.left) == 'type' and _dotted(node.right)):
+    return _import_class(_dotted(node.right))
   raise ValueError(f'{ast.unparse(node)!r} is not a value that ToText writes')
 
 
-def _Dotted(node: ast.AST) -> str:
+def _dotted(node: ast.AST) -> str:
   """'a.b.c' for an attribute chain of names, else ''."""
   if isinstance(node, ast.Name):
     return node.id
   if isinstance(node, ast.Attribute):
-    head = _Dotted(node.value)
+    head = _dotted(node.value)
     return f'{head}.{node.attr}' if head else ''
   return ''
 
 
-def _ImportClass(dotted: str) -> type:
+def _import_class(dotted: str) -> type:
   """The class at 'module.Outer.Inner' (longest importable module prefix)."""
   parts = dotted.split('.')
   for cut in range(len(parts) - 1, 0, -1):
@@ -113,7 +113,7 @@ def _ImportClass(dotted: str) -> type:
   raise ImportError(f'no module of {dotted!r} can be imported')
 
 
-def SplitLines(text: str) -> list[str]:
+def split_lines(text: str) -> list[str]:
   """Splits at newlines, and at ';' outside quoted strings and comments.
 
   A quote opens a string only where one can start (after `:[({,`), so the
@@ -138,10 +138,10 @@ def SplitLines(text: str) -> list[str]:
   return lines + [cur]
 
 
-def ParseValue(text: str, old: Any, path: str) -> Any:
+def parse_value(text: str, old: Any, path: str) -> Any:
   """Parses `text` into the type of `old` (the value it replaces)."""
   try:
-    value = _ParseText(text)
+    value = _parse_text(text)
   except (ValueError, SyntaxError, ImportError, AttributeError,
           TypeError) as e:
     if isinstance(old, str) or (old is None and

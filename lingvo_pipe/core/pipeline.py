@@ -1,6 +1,6 @@
 """The GPipe graph: pipelined forward, per-stage recomputing backward.
 
-`Run` emits, inside the caller's graph (normally one `tf.function` training
+`run` emits, inside the caller's graph (normally one `tf.function` training
 step), the forward of every (stage k, micro-batch m) on stage k's device, and
 registers a `tf.custom_gradient` whose gradient function emits the backward
 of every (k, m) on stage k's device, recomputing the stage's forward from its
@@ -69,21 +69,21 @@ class Stage:
   device: str
 
 
-def _Differentiable(x: tf.Tensor) -> bool:
+def _differentiable(x: tf.Tensor) -> bool:
   return x.dtype.is_floating or x.dtype.is_complex
 
 
-def _Float(leaves: Sequence[tf.Tensor]) -> list[tf.Tensor]:
-  return [x for x in leaves if x is not None and _Differentiable(x)]
+def _float(leaves: Sequence[tf.Tensor]) -> list[tf.Tensor]:
+  return [x for x in leaves if x is not None and _differentiable(x)]
 
 
-def _Chained(x: Any, after: Sequence[tf.Tensor]) -> Any:
+def _chained(x: Any, after: Sequence[tf.Tensor]) -> Any:
   """`x` (a nest) behind identities that wait for `after`."""
   with tf.control_dependencies(list(after)):
     return tf.nest.map_structure(tf.identity, x)
 
 
-def _Index(m: int) -> tf.Tensor:
+def _index(m: int) -> tf.Tensor:
   """Micro-batch index m as a tensor that Grappler will not constant-fold.
 
   A constant argument makes Grappler specialise the called stage function
@@ -93,7 +93,7 @@ def _Index(m: int) -> tf.Tensor:
   return tf.compat.v1.placeholder_with_default(tf.constant(m, tf.int32), [])
 
 
-def _Unordered(outputs: Sequence[tf.Tensor]) -> None:
+def _unordered(outputs: Sequence[tf.Tensor]) -> None:
   """Exempts the ops producing `outputs` from tf.function's ordering.
 
   With a timeline the stage bodies hold `tf.timestamp()`, a stateful op, so
@@ -110,7 +110,7 @@ def _Unordered(outputs: Sequence[tf.Tensor]) -> None:
       manager.run_independently(op)
 
 
-def _Stamp(after: Sequence[tf.Tensor]) -> tf.Tensor:
+def _stamp(after: Sequence[tf.Tensor]) -> tf.Tensor:
   """`tf.timestamp()` taken once `after` exist."""
   with tf.control_dependencies(list(after)):
     return tf.timestamp()
@@ -126,55 +126,55 @@ class _StageOps:
     # call would only add time.
     wrap = ((lambda f: f) if tf.executing_eagerly() else
             (lambda f: tf.function(f, autograph=False, experimental_attributes={'_noinline': True})))
-    self.forward = wrap(self._Forward)
-    self.backward = wrap(self._Backward)
+    self.forward = wrap(self._forward)
+    self.backward = wrap(self._backward)
 
-  def _Forward(self, theta: Any, x: Any, after: list[tf.Tensor],
+  def _forward(self, theta: Any, x: Any, after: list[tf.Tensor],
                m: tf.Tensor, step: tf.Tensor
               ) -> tuple[Any, dict[str, Any], list[tf.Tensor]]:
     with tf.device(self.stage.device):
-      return self._ForwardOnDevice(theta, _Chained(x, after), m, step)
+      return self._forward_on_device(theta, _chained(x, after), m, step)
 
-  def _Backward(self, theta: Any, x: Any, dys: list[tf.Tensor],
+  def _backward(self, theta: Any, x: Any, dys: list[tf.Tensor],
                 after: list[tf.Tensor], m: tf.Tensor, step: tf.Tensor
                ) -> tuple[list[tf.Tensor], Any, list[tf.Tensor]]:
     # A called function's ops do not inherit the caller's device scope: left
     # unpinned they ran on the client, serialising remote stages.
     with tf.device(self.stage.device):
-      return self._BackwardOnDevice(theta, x, dys, after, m, step)
+      return self._backward_on_device(theta, x, dys, after, m, step)
 
-  def _ForwardOnDevice(self, theta: Any, x: Any, m: tf.Tensor,
-                       step: tf.Tensor
-                      ) -> tuple[Any, dict[str, Any], list[tf.Tensor]]:
-    times = [_Stamp(_Float(tf.nest.flatten(x)))] if self.b.timed else []
+  def _forward_on_device(self, theta: Any, x: Any, m: tf.Tensor,
+                         step: tf.Tensor
+                        ) -> tuple[Any, dict[str, Any], list[tf.Tensor]]:
+    times = [_stamp(_float(tf.nest.flatten(x)))] if self.b.timed else []
     collector = StatsCollector()
-    with self.b.Scope(m, collector, step), tf.control_dependencies(times):
+    with self.b.scope(m, collector, step), tf.control_dependencies(times):
       y = self.stage.fprop(theta, x)
     if self.b.timed:
-      times.append(_Stamp(_Float(tf.nest.flatten(y))))
+      times.append(_stamp(_float(tf.nest.flatten(y))))
     return y, collector.stats, times
 
-  def _BackwardOnDevice(self, theta: Any, x: Any, dys: list[tf.Tensor],
-                        after: list[tf.Tensor], m: tf.Tensor, step: tf.Tensor
-                       ) -> tuple[list[tf.Tensor], Any, list[tf.Tensor]]:
+  def _backward_on_device(self, theta: Any, x: Any, dys: list[tf.Tensor],
+                          after: list[tf.Tensor], m: tf.Tensor, step: tf.Tensor
+                         ) -> tuple[list[tf.Tensor], Any, list[tf.Tensor]]:
     # The recompute waits for the incoming gradient (else Grappler merges it
     # with the forward) and for this device's previous backward (order).
-    x = _Chained(x, list(dys) + list(after))
-    times = [_Stamp(_Float(tf.nest.flatten(x)))] if self.b.timed else []
+    x = _chained(x, list(dys) + list(after))
+    times = [_stamp(_float(tf.nest.flatten(x)))] if self.b.timed else []
     with tf.GradientTape() as tape, tf.control_dependencies(times):
-      x_float = _Float(tf.nest.flatten(x))
+      x_float = _float(tf.nest.flatten(x))
       tape.watch([x_float, theta])
-      with self.b.Scope(m, None, step):
+      with self.b.scope(m, None, step):
         y = self.stage.fprop(theta, x)
-    targets = _Float(tf.nest.flatten(y))
+    targets = _float(tf.nest.flatten(y))
     if self.b.timed:
-      times.append(_Stamp(targets))
+      times.append(_stamp(targets))
     with tf.control_dependencies(times[1:]):
       dx, dtheta = tape.gradient(
           targets, (x_float, theta), output_gradients=list(dys),
           unconnected_gradients=tf.UnconnectedGradients.ZERO)
     if self.b.timed:
-      times.append(_Stamp(tf.nest.flatten((dx, dtheta))))
+      times.append(_stamp(tf.nest.flatten((dx, dtheta))))
     return dx, dtheta, times
 
 
@@ -190,9 +190,9 @@ class _Builder:
     self.m = num_micro_batches
     self.recompute = recompute
     self.batch_dim = batch_dim
-    ctx = fprop_context.Current()
+    ctx = fprop_context.current()
     self.step = tf.compat.v1.placeholder_with_default(
-        tf.cast(ctx.step, tf.int64), [])  # Not folded: see _Index.
+        tf.cast(ctx.step, tf.int64), [])  # Not folded: see _index.
     self.timeline = ctx.timeline
     self.timed = ctx.timeline is not None
     self.ops = [_StageOps(self, stage) for stage in stages]
@@ -201,41 +201,41 @@ class _Builder:
     self.outputs: list[list[Any]] = [[None] * self.m for _ in range(k)]
     self.tapes: dict[tuple[int, int], tf.GradientTape] = {}
 
-  def Keeps(self, k: int) -> bool:
+  def keeps(self, k: int) -> bool:
     """True if stage k keeps its forward activations (no recompute)."""
     last = k == len(self.stages) - 1
     return self.recompute == 'never' or (self.recompute == 'except_last' and
                                          last)
 
-  def Scope(self, m: Any, stats: StatsCollector | None, step: Any) -> Any:
-    return fprop_context.Scope(
+  def scope(self, m: Any, stats: StatsCollector | None, step: Any) -> Any:
+    return fprop_context.scope(
         training=True, step=step, micro_batch_index=m,
         num_micro_batches=self.m, batch_dim=self.batch_dim, stats=stats)
 
-  def _Record(self, k: int, m: int, kinds: str,
+  def _record(self, k: int, m: int, kinds: str,
               times: list[tf.Tensor]) -> None:
     if self.timed:
       for i, kind in enumerate(kinds):
         self.timeline.append((k, m, kind, times[i], times[i + 1]))
 
-  def _KeptForward(self, k: int, m: int, theta: Any, x: Any) -> Any:
+  def _kept_forward(self, k: int, m: int, theta: Any, x: Any) -> Any:
     """Inline forward under a tape that the backward will reuse."""
-    times = [_Stamp(_Float(tf.nest.flatten(x)))] if self.timed else []
+    times = [_stamp(_float(tf.nest.flatten(x)))] if self.timed else []
     collector = StatsCollector()
     with tf.GradientTape() as tape, tf.control_dependencies(times):
-      tape.watch(_Float(tf.nest.flatten((x, theta))))
-      with self.Scope(m, collector, self.step):
+      tape.watch(_float(tf.nest.flatten((x, theta))))
+      with self.scope(m, collector, self.step):
         y = self.stages[k].fprop(theta, x)
     self.tapes[(k, m)] = tape
     if self.timed:
-      times.append(_Stamp(_Float(tf.nest.flatten(y))))
+      times.append(_stamp(_float(tf.nest.flatten(y))))
     return y, collector.stats, times
 
-  def Forward(self, inputs: tuple[Any, ...], thetas: list[Any]
+  def forward(self, inputs: tuple[Any, ...], thetas: list[Any]
              ) -> tuple[list[Any], list[dict[str, Any]]]:
     """Emits all forwards; returns per-micro-batch outputs and stage stats."""
     with tf.device(self.stages[0].device):  # Not on the client.
-      micro = microbatch.Split(inputs, self.m, self.batch_dim)
+      micro = microbatch.split(inputs, self.m, self.batch_dim)
     stage_stats = []
     for k, stage in enumerate(self.stages):
       totals = StatsCollector()
@@ -243,54 +243,54 @@ class _Builder:
       for m in range(self.m):
         with tf.device(stage.device):
           # Forward m after forward m−1 on this device.
-          if self.Keeps(k):  # Inline ops: a control dependency orders them.
-            x = self.boundary[k][m] = _Chained(micro[m], after)
-            y, stats, times = self._KeptForward(k, m, thetas[k], x)
+          if self.keeps(k):  # Inline ops: a control dependency orders them.
+            x = self.boundary[k][m] = _chained(micro[m], after)
+            y, stats, times = self._kept_forward(k, m, thetas[k], x)
           else:  # A call: the order is a data input (see the module doc).
-            x = self.boundary[k][m] = _Chained(micro[m], [])
+            x = self.boundary[k][m] = _chained(micro[m], [])
             y, stats, times = self.ops[k].forward(
-                thetas[k], x, after or [tf.zeros([])], _Index(m), self.step)
-            _Unordered(times)
-          self._Record(k, m, 'F', times)
-          totals.Merge(stats)
+                thetas[k], x, after or [tf.zeros([])], _index(m), self.step)
+            _unordered(times)
+          self._record(k, m, 'F', times)
+          totals.merge(stats)
         self.outputs[k][m] = y
-        after = _Float(tf.nest.flatten(y))
+        after = _float(tf.nest.flatten(y))
       micro = self.outputs[k]
       stage_stats.append(totals.stats)
     return self.outputs[-1], stage_stats
 
-  def _StageBackward(self, k: int, m: int, dy: Any, theta: Any,
-                     after: list[tf.Tensor]) -> tuple[Any, Any]:
+  def _stage_backward(self, k: int, m: int, dy: Any, theta: Any,
+                      after: list[tf.Tensor]) -> tuple[Any, Any]:
     """Recompute (unless kept) and backward of stage k, micro-batch m."""
     targets, grads = [], []
     for y, g in zip(tf.nest.flatten(self.outputs[k][m]), tf.nest.flatten(dy)):
-      if _Differentiable(y):
+      if _differentiable(y):
         targets.append(y)
         grads.append(tf.zeros_like(y) if g is None else g)
     x = self.boundary[k][m]
-    if self.Keeps(k):
+    if self.keeps(k):
       wait = grads + after
-      times = [_Stamp(wait)] if self.timed else []
+      times = [_stamp(wait)] if self.timed else []
       with tf.control_dependencies(wait + times):
         dx_float, dtheta = self.tapes.pop((k, m)).gradient(
-            targets, (_Float(tf.nest.flatten(x)), theta),
+            targets, (_float(tf.nest.flatten(x)), theta),
             output_gradients=grads,
             unconnected_gradients=tf.UnconnectedGradients.ZERO)
       if self.timed:
-        times.append(_Stamp(tf.nest.flatten((dx_float, dtheta))))
-      self._Record(k, m, 'B', times)
+        times.append(_stamp(tf.nest.flatten((dx_float, dtheta))))
+      self._record(k, m, 'B', times)
     else:
       # (`after` is never empty, so the body is traced once, not twice.)
       dx_float, dtheta, times = self.ops[k].backward(
-          theta, x, grads, after or [tf.zeros([])], _Index(m), self.step)
-      _Unordered(times)
-      self._Record(k, m, 'RB', times)
+          theta, x, grads, after or [tf.zeros([])], _index(m), self.step)
+      _unordered(times)
+      self._record(k, m, 'RB', times)
     it = iter(dx_float)
-    dx = [next(it) if _Differentiable(v) else None
+    dx = [next(it) if _differentiable(v) else None
           for v in tf.nest.flatten(x)]
     return tf.nest.pack_sequence_as(x, dx), dtheta
 
-  def Backward(self, dys: list[Any], thetas: list[Any]
+  def backward(self, dys: list[Any], thetas: list[Any]
               ) -> tuple[Any, list[Any]]:
     """Emits all backwards; returns (input grads per micro-batch, theta grads)."""
     num_stages = len(self.stages)
@@ -303,20 +303,20 @@ class _Builder:
         with tf.device(self.stages[k].device):
           dy = tf.nest.map_structure(
               lambda g: g if g is None else tf.identity(g), grads_in[m])
-          dx, dtheta = self._StageBackward(k, m, dy, thetas[k], after)
+          dx, dtheta = self._stage_backward(k, m, dy, thetas[k], after)
           if theta_grads[k] is None:
             theta_grads[k] = dtheta
           else:
             theta_grads[k] = tf.nest.map_structure(tf.add, theta_grads[k],
                                                    dtheta)
         grads_out[m] = dx
-        after = _Float(tf.nest.flatten((dx, theta_grads[k])))
+        after = _float(tf.nest.flatten((dx, theta_grads[k])))
       grads_in = grads_out
     return grads_in, theta_grads
 
 
 @tf.autograph.experimental.do_not_convert  # Graph code already; see below.
-def Run(stages: list[Stage], inputs: tuple[Any, ...], num_micro_batches: int,
+def run(stages: list[Stage], inputs: tuple[Any, ...], num_micro_batches: int,
         recompute: str = 'always', batch_dim: int = 0) -> Any:
   """Pipelined, differentiable forward of `stages` over `inputs`.
 
@@ -351,42 +351,42 @@ def Run(stages: list[Stage], inputs: tuple[Any, ...], num_micro_batches: int,
   stats_struct: list[Any] = []
 
   @tf.custom_gradient
-  def _Pipelined(*args: tf.Tensor) -> Any:
+  def _pipelined(*args: tf.Tensor) -> Any:
     xs = tf.nest.pack_sequence_as(inputs, list(args[:len(in_leaves)]))
     pos, ths = len(in_leaves), []
     for leaves, theta in zip(theta_leaves, thetas):
       ths.append(tf.nest.pack_sequence_as(theta, list(args[pos:pos +
                                                              len(leaves)])))
       pos += len(leaves)
-    micro_outputs, stats = builder.Forward(xs, ths)
+    micro_outputs, stats = builder.forward(xs, ths)
     with tf.device(stages[-1].device):
-      out = microbatch.Concat(micro_outputs, batch_dim)
+      out = microbatch.concat(micro_outputs, batch_dim)
     out_struct.append(out)
     stats_struct.append(stats)
     flat_out = tf.nest.flatten(out)
     flat_stats = tf.nest.flatten(stats)
 
-    def _Grad(*dys: tf.Tensor) -> list[tf.Tensor | None]:
+    def _grad(*dys: tf.Tensor) -> list[tf.Tensor | None]:
       dy = tf.nest.pack_sequence_as(out, list(dys[:len(flat_out)]))
       with tf.device(stages[-1].device):
         dy = tf.nest.map_structure(
             lambda g, y: tf.zeros_like(y) if g is None else g, dy, out)
-        dy_micro = microbatch.Split(dy, num_micro_batches, batch_dim)
-      dx_micro, dthetas = builder.Backward(dy_micro, ths)
+        dy_micro = microbatch.split(dy, num_micro_batches, batch_dim)
+      dx_micro, dthetas = builder.backward(dy_micro, ths)
       with tf.device(stages[0].device):
-        dx = microbatch.Concat(dx_micro, batch_dim)
-      dx_leaves = [g if _Differentiable(x) else None
+        dx = microbatch.concat(dx_micro, batch_dim)
+      dx_leaves = [g if _differentiable(x) else None
                    for g, x in zip(tf.nest.flatten(dx), in_leaves)]
       return dx_leaves + [g for d in dthetas for g in tf.nest.flatten(d)]
 
-    return flat_out + flat_stats, _Grad
+    return flat_out + flat_stats, _grad
 
-  flat = _Pipelined(*in_leaves, *[x for leaves in theta_leaves for x in leaves])
+  flat = _pipelined(*in_leaves, *[x for leaves in theta_leaves for x in leaves])
   n_out = len(tf.nest.flatten(out_struct[0]))
   outputs = tf.nest.pack_sequence_as(out_struct[0], flat[:n_out])
   stats = tf.nest.pack_sequence_as(stats_struct[0], flat[n_out:])
-  collector = fprop_context.Current().stats
+  collector = fprop_context.current().stats
   if collector is not None:
     for stage_stats in stats:
-      collector.Merge(stage_stats)
+      collector.merge(stage_stats)
   return outputs

@@ -18,7 +18,7 @@ _SCALAR_METADATA = summary_pb2.SummaryMetadata(
     data_class=summary_pb2.DATA_CLASS_SCALAR).SerializeToString()
 
 
-def Scalars(writer: tf.summary.SummaryWriter, step: int,
+def scalars(writer: tf.summary.SummaryWriter, step: int,
             values: dict[str, float | tf.Tensor]) -> None:
   """Writes each value as a float32 scalar summary at `step`, then flushes."""
   with writer.as_default(step=step):
@@ -28,7 +28,7 @@ def Scalars(writer: tf.summary.SummaryWriter, step: int,
   writer.flush()
 
 
-def ReadScalars(event_dir: str) -> dict[str, list[tuple[int, float]]]:
+def read_scalars(event_dir: str) -> dict[str, list[tuple[int, float]]]:
   """(step, value) lists by tag from the event files in `event_dir`."""
   out: dict[str, list[tuple[int, float]]] = {}
   for path in sorted(tf.io.gfile.glob(f'{event_dir}/events.out.tfevents.*')):

@@ -7,7 +7,7 @@ module makes those pictures from two sources that share one record shape,
 `(stage, micro_batch, kind, start, end)` with times in seconds:
 
 * measured: the engine brackets every forward 'F', recompute 'R' and
-  backward 'B' with `tf.timestamp()` when `fprop_context.Scope(timeline=[])`
+  backward 'B' with `tf.timestamp()` when `fprop_context.scope(timeline=[])`
   is open (`record_step` / `StepRecorder` do that and return the records);
 * predicted: `simulator.simulate(...).events`, with stage costs calibrated
   from the measured op durations (`calibrated_costs`), so the two panels
@@ -100,10 +100,10 @@ class StepRecorder:
     variables = list(net.trainable_variables)
 
     @tf.function
-    def _Step() -> tf.Tensor:
+    def _step() -> tf.Tensor:
       timeline: list[Any] = []
       with tf.GradientTape() as tape:
-        with fprop_context.Scope(training=True, step=step, timeline=timeline):
+        with fprop_context.scope(training=True, step=step, timeline=timeline):
           loss = loss_fn(net.FProp(net.theta, *inputs))
       grads = tape.gradient(loss, variables)
       if update is not None:
@@ -118,7 +118,7 @@ class StepRecorder:
           [g for g in grads if g is not None] + [loss]):
         return tf.stack([tf.stack([s, e]) for _, _, _, s, e in timeline])
 
-    self._fn = _Step
+    self._fn = _step
 
   def __call__(self) -> list[Record]:
     times = self._fn().numpy()  # [num_records, 2], seconds.

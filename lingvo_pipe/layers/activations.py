@@ -2,11 +2,11 @@
 
 A Params tree must print as text and parse back (the trainer stores it and
 refuses to resume under a different one), so layers hold an activation's
-*name* ('RELU'), never the function. `GetActivation` turns the name into the
+*name* ('RELU'), never the function. `get_activation` turns the name into the
 function and answers a typo with the closest real names.
 
 Cost convention: every activation but 'NONE' counts 1 flop per element
-(`ActivationFlops`); they are memory-bound and tiny next to matmuls, and the
+(`activation_flops`); they are memory-bound and tiny next to matmuls, and the
 partitioner only needs relative costs.
 """
 
@@ -34,7 +34,7 @@ _ACTIVATIONS: dict[str, Activation] = {
 NAMES = tuple(_ACTIVATIONS)
 
 
-def GetActivation(name: str, where: str = 'activation') -> Activation:
+def get_activation(name: str, where: str = 'activation') -> Activation:
   """The function named `name` (one of `NAMES`, upper case).
 
   Args:
@@ -57,6 +57,6 @@ def GetActivation(name: str, where: str = 'activation') -> Activation:
       f'{where}: unknown activation {name!r}.{hint} Known: {", ".join(NAMES)}.')
 
 
-def ActivationFlops(name: str, num_elements: int) -> int:
+def activation_flops(name: str, num_elements: int) -> int:
   """Flops of applying activation `name` to `num_elements` elements."""
   return 0 if name == 'NONE' else int(num_elements)

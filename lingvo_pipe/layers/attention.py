@@ -11,7 +11,7 @@ float16 and never overflows to -inf. A query whose keys are all blocked then
 sees equal logits and a uniform softmax: finite output, no NaN (the loss
 weights ignore such rows). The softmax runs in float32 whatever fprop_dtype.
 
-Attention-probability dropout uses the shared `ApplyDropout` with seed key
+Attention-probability dropout uses the shared `apply_dropout` with seed key
 `<layer path>/atten`, so the pipeline's recompute draws the forward mask.
 
 Incremental decoding: greedy and beam search feed one token per step.
@@ -39,7 +39,7 @@ from lingvo_pipe.layers import dropout
 LayerError = base_layer.LayerError
 
 
-def BlockedLogit(dtype: tf.DType) -> float:
+def blocked_logit(dtype: tf.DType) -> float:
   """The logit given to blocked positions: finite, safely below any real."""
   return -0.7 * dtype.max
 
@@ -71,9 +71,9 @@ class MultiHeadAttention(base_layer.BaseLayer):
 
   def __init__(self, params: InstantiableParams) -> None:
     super().__init__(params)
-    _CheckParams(self.path, self.params)
+    _check_params(self.path, self.params)
     p = self.params
-    d, n, h = p.input_dim, p.num_heads, _HiddenDim(p) // p.num_heads
+    d, n, h = p.input_dim, p.num_heads, _hidden_dim(p) // p.num_heads
     for name in ('query', 'key', 'value'):
       self.CreateVariable(f'{name}_w', base_layer.WeightParams([d, n, h]))
     self.CreateVariable('post_w', base_layer.WeightParams([n, h, d]))
@@ -115,10 +115,10 @@ class MultiHeadAttention(base_layer.BaseLayer):
     logits = tf.cast(logits, tf.float32)
     if blocked is not None:
       blocked = tf.broadcast_to(blocked, tf.shape(logits))
-      logits = tf.where(blocked, BlockedLogit(tf.float32), logits)
+      logits = tf.where(blocked, blocked_logit(tf.float32), logits)
     probs = tf.cast(tf.nn.softmax(logits, axis=-1), self.fprop_dtype)
-    probs = dropout.ApplyDropout(probs, self.params.atten_dropout_prob,
-                                 f'{self.path}/atten')
+    probs = dropout.apply_dropout(probs, self.params.atten_dropout_prob,
+                                  f'{self.path}/atten')
     ctx = tf.einsum('BNQK,BKNH->BQNH', probs, v)  # [B, Tq, N, H]
     out = tf.einsum('BQNH,NHD->BQD', ctx,
                     tf.cast(theta.post_w, self.fprop_dtype))
@@ -152,7 +152,7 @@ class MultiHeadAttention(base_layer.BaseLayer):
                        'one-step decoding or set p.causal = False.')
     kv = self.ProjectKeyValue(theta, key_value)
     q = self._Project(theta, query, 'query')
-    blocked = _PaddingBlock(key_paddings)
+    blocked = _padding_block(key_paddings)
     if self.params.causal:
       n = tf.shape(query)[1]
       causal = tf.range(n)[None, :] > tf.range(n)[:, None]  # [Tq, Tk]
@@ -172,13 +172,13 @@ class MultiHeadAttention(base_layer.BaseLayer):
     """Non-causal attention of query [B, Tq, D] over projected `kv`."""
     q = self._Project(theta, self._CheckDepth(query, 'query'), 'query')
     return self._Attend(theta, q, kv.key, kv.value,
-                        _PaddingBlock(key_paddings))
+                        _padding_block(key_paddings))
 
   # ---- Incremental decoding --------------------------------------------------
   def InitCache(self, batch_size: int, max_len: int) -> NestedMap:
     """Zero self-attention cache: key and value [B, max_len, N, H]."""
     p = self.params
-    shape = [batch_size, max_len, p.num_heads, _HiddenDim(p) // p.num_heads]
+    shape = [batch_size, max_len, p.num_heads, _hidden_dim(p) // p.num_heads]
     return NestedMap(key=tf.zeros(shape, self.fprop_dtype),
                      value=tf.zeros(shape, self.fprop_dtype))
 
@@ -215,14 +215,14 @@ class MultiHeadAttention(base_layer.BaseLayer):
                 key_paddings: tf.TensorShape | None = None
                ) -> base_layer.LayerMeta:
     del key_paddings  # Costs nothing beyond the mask counted below.
-    _CheckParams(p.name, p)
+    _check_params(p.name, p)
     query, key_value = tf.TensorShape(query), tf.TensorShape(key_value)
     for what, s in (('query', query), ('key_value', key_value)):
       if s.rank != 3 or s[-1] != p.input_dim:
         raise LayerError(f'{p.name}: {what} must be [B, T, {p.input_dim}] '
                          f'(input_dim), got {s}; set p.input_dim.')
     b, tq, tk = query[0] or 1, query[1] or 1, key_value[1] or 1
-    d, hd, n = p.input_dim, _HiddenDim(p), p.num_heads
+    d, hd, n = p.input_dim, _hidden_dim(p), p.num_heads
     projections = 2 * b * d * hd * (2 * tq + 2 * tk)  # q, out; k, v
     scores = 2 * 2 * b * tq * tk * hd  # q·kᵀ and probs·v
     per_logit = 2 + int(p.atten_dropout_prob > 0)  # mask, softmax, dropout
@@ -230,29 +230,29 @@ class MultiHeadAttention(base_layer.BaseLayer):
     if p.use_bias:
       elementwise += b * (tq * hd + 2 * tk * hd + tq * d)
     num_params = 4 * d * hd + ((3 * hd + d) if p.use_bias else 0)
-    return base_layer.LayerMeta.Build(
+    return base_layer.LayerMeta.build(
         p, flops=projections + scores + elementwise, out_shapes=(query,),
         num_params=num_params)
 
 
-def _HiddenDim(p: Params) -> int:
+def _hidden_dim(p: Params) -> int:
   return p.hidden_dim or p.input_dim
 
 
-def _PaddingBlock(key_paddings: tf.Tensor | None) -> tf.Tensor | None:
+def _padding_block(key_paddings: tf.Tensor | None) -> tf.Tensor | None:
   """[B, Tk] paddings → [B, 1, 1, Tk] bool, True at padded keys."""
   if key_paddings is None:
     return None
   return (tf.cast(key_paddings, tf.float32) > 0.5)[:, None, None, :]
 
 
-def _CheckParams(where: str, p: Params) -> None:
+def _check_params(where: str, p: Params) -> None:
   for name in ('input_dim', 'num_heads'):
     value = getattr(p, name)
     if not isinstance(value, int) or value <= 0:
       raise LayerError(f'{where}: {name} must be an int > 0, got {value!r}; '
                        f'set p.{name}.')
-  hd = _HiddenDim(p)
+  hd = _hidden_dim(p)
   if not isinstance(hd, int) or hd < 0 or hd % p.num_heads:
     raise LayerError(f'{where}: hidden_dim {hd!r} must be a multiple of '
                      f'num_heads {p.num_heads}; set p.hidden_dim to N·H (0 '

@@ -4,7 +4,7 @@ These are the building blocks of AmoebaNet, GPipe's image model, whose cells
 are mostly ReLU → separable conv → BatchNorm. The partitioner balances stages
 by FPropMeta's flops, and the stage boundaries carry activations whose size
 comes from FPropMeta's output shapes, so the spatial arithmetic
-(`SpatialOutputSize`) must match TensorFlow's exactly:
+(`spatial_output_size`) must match TensorFlow's exactly:
 
     SAME:  out = ceil(in / stride)
     VALID: out = ceil((in − (k − 1)·dilation) / stride)
@@ -30,8 +30,8 @@ from lingvo_pipe.layers import shape as shape_lib
 PADDINGS = ('SAME', 'VALID')
 
 
-def SpatialOutputSize(size: int | None, window: int, stride: int,
-                      dilation: int, padding: str) -> int | None:
+def spatial_output_size(size: int | None, window: int, stride: int,
+                        dilation: int, padding: str) -> int | None:
   """Output length of a conv/pool along one spatial dim (None if unknown)."""
   if size is None:
     return None
@@ -40,8 +40,8 @@ def SpatialOutputSize(size: int | None, window: int, stride: int,
   return math.ceil((size - (window - 1) * dilation) / stride)
 
 
-def CheckWindowParams(where: str, p: Params, window_key: str,
-                      stride_key: str) -> None:
+def check_window_params(where: str, p: Params, window_key: str,
+                        stride_key: str) -> None:
   """Validates a 2-entry window, stride and the padding of conv/pool params."""
   for key in (window_key, stride_key):
     value = getattr(p, key)
@@ -55,16 +55,16 @@ def CheckWindowParams(where: str, p: Params, window_key: str,
         f'{where}: padding must be one of {PADDINGS}, got {p.padding!r}.')
 
 
-def ImageOutputShape(where: str, x: tf.TensorShape, window: Sequence[int],
-                     stride: Sequence[int], dilation: Sequence[int],
-                     padding: str, channels: int) -> tf.TensorShape:
+def image_output_shape(where: str, x: tf.TensorShape, window: Sequence[int],
+                       stride: Sequence[int], dilation: Sequence[int],
+                       padding: str, channels: int) -> tf.TensorShape:
   """[B, H', W', channels] for NHWC input `x`; raises if it would be empty."""
   x = tf.TensorShape(x)
   if x.rank != 4:
     raise base_layer.LayerError(
         f'{where}: expects an NHWC input [B, H, W, C], got shape {x}.')
-  out = [SpatialOutputSize(x[i], window[i - 1], stride[i - 1],
-                           dilation[i - 1], padding) for i in (1, 2)]
+  out = [spatial_output_size(x[i], window[i - 1], stride[i - 1],
+                             dilation[i - 1], padding) for i in (1, 2)]
   if any(d is not None and d < 1 for d in out):
     raise base_layer.LayerError(
         f'{where}: a {tuple(window)} window (dilation {tuple(dilation)}) '
@@ -73,7 +73,7 @@ def ImageOutputShape(where: str, x: tf.TensorShape, window: Sequence[int],
   return tf.TensorShape([x[0]] + out + [channels])
 
 
-def _CheckChannels(where: str, x: tf.TensorShape, channels: int) -> None:
+def _check_channels(where: str, x: tf.TensorShape, channels: int) -> None:
   if x.rank is not None and (x.rank != 4 or x[-1] not in (None, channels)):
     raise base_layer.LayerError(
         f'{where}: expects NHWC input [B, H, W, {channels}] (filter_shape[2] '
@@ -116,19 +116,19 @@ class _ConvBase(base_layer.BaseLayer):
       raise base_layer.LayerError(
           f'{where}: filter_shape must be 4 positive ints, got {fs!r}; '
           f'{cls._FILTER_DOC}')
-    CheckWindowParams(where, p, 'filter_stride', 'dilation_rate')
+    check_window_params(where, p, 'filter_stride', 'dilation_rate')
     if max(p.filter_stride) > 1 and max(p.dilation_rate) > 1:
       raise base_layer.LayerError(
           f'{where}: filter_stride {tuple(p.filter_stride)} and dilation_rate '
           f'{tuple(p.dilation_rate)} are both > 1, which TensorFlow does not '
           'support; use one of them.')
-    activations.GetActivation(p.activation, f'{where}: activation')
+    activations.get_activation(p.activation, f'{where}: activation')
 
   def __init__(self, params: InstantiableParams) -> None:
     super().__init__(params)
     p = self.params
     self._Validate(self.path, p)
-    self._act = activations.GetActivation(p.activation)
+    self._act = activations.get_activation(p.activation)
     self.CreateVariable('w', base_layer.WeightParams(list(p.filter_shape)))
     if p.has_bias:
       self.CreateVariable('b', base_layer.WeightParams(
@@ -143,16 +143,16 @@ class _ConvBase(base_layer.BaseLayer):
   def FPropMeta(cls, p: Params, x: tf.TensorShape) -> base_layer.LayerMeta:
     cls._Validate(p.name, p)
     x = tf.TensorShape(x)
-    _CheckChannels(p.name, x, p.filter_shape[2])
+    _check_channels(p.name, x, p.filter_shape[2])
     kh, kw = p.filter_shape[:2]
-    out = ImageOutputShape(p.name, x, (kh, kw), p.filter_stride,
-                           p.dilation_rate, p.padding, cls._OutChannels(p))
-    outputs = shape_lib.NumElements(out)
+    out = image_output_shape(p.name, x, (kh, kw), p.filter_stride,
+                             p.dilation_rate, p.padding, cls._OutChannels(p))
+    outputs = shape_lib.num_elements(out)
     flops = 2 * outputs * cls._MacsPerOutput(p) + outputs * int(p.has_bias)
-    flops += activations.ActivationFlops(p.activation, outputs)
+    flops += activations.activation_flops(p.activation, outputs)
     num_params = math.prod(p.filter_shape)
     num_params += cls._OutChannels(p) * int(p.has_bias)
-    return base_layer.LayerMeta.Build(p, flops=flops, out_shapes=(out,),
+    return base_layer.LayerMeta.build(p, flops=flops, out_shapes=(out,),
                                       num_params=num_params)
 
 
@@ -181,7 +181,7 @@ class Conv2DLayer(_ConvBase):
     p = self.params
     dtype = self.fprop_dtype
     x = tf.cast(x, dtype)
-    _CheckChannels(self.path, x.shape, p.filter_shape[2])
+    _check_channels(self.path, x.shape, p.filter_shape[2])
     y = tf.nn.convolution(x, tf.cast(theta.w, dtype),
                           strides=list(p.filter_stride), padding=p.padding,
                           dilations=list(p.dilation_rate))
@@ -215,7 +215,7 @@ class DepthwiseConv2DLayer(_ConvBase):
     p = self.params
     dtype = self.fprop_dtype
     x = tf.cast(x, dtype)
-    _CheckChannels(self.path, x.shape, p.filter_shape[2])
+    _check_channels(self.path, x.shape, p.filter_shape[2])
     sh, sw = p.filter_stride
     y = tf.nn.depthwise_conv2d(
         x, tf.cast(theta.w, dtype), strides=[1, sh, sw, 1],
@@ -292,5 +292,5 @@ class SeparableConv2DLayer(base_layer.BaseLayer):
     dw.name, pw.name = f'{p.name}.depthwise', f'{p.name}.pointwise'
     dw_meta = DepthwiseConv2DLayer.FPropMeta(dw, x)
     meta = dw_meta + Conv2DLayer.FPropMeta(pw, *dw_meta.out_shapes)
-    relu = shape_lib.NumElements(x) * int(p.relu_first)
+    relu = shape_lib.num_elements(x) * int(p.relu_first)
     return dataclasses.replace(meta, flops=meta.flops + relu)

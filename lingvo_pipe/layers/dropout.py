@@ -10,7 +10,7 @@ than the loss. So the mask here is a *pure function* of
   * the training step `ctx.step`, and
   * the example's global index in the mini-batch.
 
-`ApplyDropout` draws one stateless uniform mask for the whole mini-batch
+`apply_dropout` draws one stateless uniform mask for the whole mini-batch
 (`ctx.batch_dim × ctx.num_micro_batches` examples) and slices out rows
 `[i·b, (i+1)·b)` of micro-batch i. An example therefore gets the same mask
 however the batch is cut into micro-batches and however many stages there
@@ -34,14 +34,14 @@ from lingvo_pipe.layers import shape as shape_lib
 NoiseShapeFn = Callable[[Sequence[Any]], Sequence[Any]]
 
 
-def _DimList(x: tf.Tensor) -> list[Any]:
+def _dim_list(x: tf.Tensor) -> list[Any]:
   """x's shape as a list: static ints where known, scalar tensors elsewhere."""
   dynamic = tf.shape(x)
   return [d if d is not None else dynamic[i]
           for i, d in enumerate(x.shape.as_list())]
 
 
-def MaskSeed(seed_key: str, step: Any) -> tf.Tensor:
+def mask_seed(seed_key: str, step: Any) -> tf.Tensor:
   """The [2] int64 stateless seed of (seed_key, step).
 
   `step` may be a Python int or a scalar int tensor of any int dtype; it is
@@ -49,11 +49,11 @@ def MaskSeed(seed_key: str, step: Any) -> tf.Tensor:
   """
   step = tf.cast(tf.convert_to_tensor(step), tf.int64)
   return tf.random.experimental.stateless_fold_in(
-      base_layer.StableSeed(seed_key), step)
+      base_layer.stable_seed(seed_key), step)
 
 
-def ApplyDropout(x: tf.Tensor, rate: float, seed_key: str,
-                 noise_shape_fn: NoiseShapeFn | None = None) -> tf.Tensor:
+def apply_dropout(x: tf.Tensor, rate: float, seed_key: str,
+                  noise_shape_fn: NoiseShapeFn | None = None) -> tf.Tensor:
   """Drops elements of `x` with probability `rate` in a training context.
 
   Args:
@@ -73,7 +73,7 @@ def ApplyDropout(x: tf.Tensor, rate: float, seed_key: str,
   Raises:
     LayerError: if rate is outside [0, 1).
   """
-  ctx = fprop_context.Current()
+  ctx = fprop_context.current()
   if not ctx.training or rate == 0:
     return x
   if not 0 <= rate < 1:
@@ -81,38 +81,38 @@ def ApplyDropout(x: tf.Tensor, rate: float, seed_key: str,
         f'{seed_key}: dropout rate must be in [0, 1), got {rate}; set the '
         'layer\'s dropout rate param to the fraction of units to drop.')
   x = tf.convert_to_tensor(x)
-  shape = _DimList(x)
+  shape = _dim_list(x)
   noise_shape = list(noise_shape_fn(shape) if noise_shape_fn else shape)
-  mask_seed = MaskSeed(seed_key, ctx.step)
-  if not _SharedOverBatch(shape[0], noise_shape[0]):
+  seed = mask_seed(seed_key, ctx.step)
+  if not _shared_over_batch(shape[0], noise_shape[0]):
     micro = ctx.batch_dim or noise_shape[0]
     if (isinstance(shape[0], int) and ctx.batch_dim and
         ctx.batch_dim != shape[0]):
       raise base_layer.LayerError(
           f'{seed_key}: the context says micro-batches have batch_dim='
           f'{ctx.batch_dim} examples but x has {shape[0]} (shape {shape}); '
-          'open the fprop_context.Scope with batch_dim = x.shape[0].')
+          'open the fprop_context.scope with batch_dim = x.shape[0].')
     total = micro * ctx.num_micro_batches
     # [B_total, ...]: one mask row per example of the mini-batch.
     uniform = tf.random.stateless_uniform([total] + noise_shape[1:],
-                                          mask_seed)
+                                          seed)
     start = tf.cast(ctx.micro_batch_index, tf.int32) * micro
     uniform = uniform[start:start + micro]  # [b, ...]: this micro-batch.
   else:
-    uniform = tf.random.stateless_uniform(noise_shape, mask_seed)
+    uniform = tf.random.stateless_uniform(noise_shape, seed)
   # Drawn in float32 whatever x's dtype, so the mask is the same in bfloat16.
   keep = tf.cast(uniform >= rate, x.dtype)
   return x * keep * tf.cast(1.0 / (1.0 - rate), x.dtype)
 
 
-def _SharedOverBatch(batch: Any, noise_batch: Any) -> bool:
+def _shared_over_batch(batch: Any, noise_batch: Any) -> bool:
   """True if noise_shape_fn asked for one mask shared by every example."""
-  def _IsOne(d: Any) -> bool:
+  def _is_one(d: Any) -> bool:
     return isinstance(d, int) and d == 1
 
   # With a batch of 1 a leading 1 is ambiguous; per-example is the safe
   # reading (the mask still depends on the example's global index).
-  return _IsOne(noise_batch) and not _IsOne(batch)
+  return _is_one(noise_batch) and not _is_one(batch)
 
 
 class DropoutLayer(base_layer.BaseLayer):
@@ -132,22 +132,22 @@ class DropoutLayer(base_layer.BaseLayer):
 
   def __init__(self, params: InstantiableParams) -> None:
     super().__init__(params)
-    _CheckRate(self.path, self.params.dropout_rate)
+    _check_rate(self.path, self.params.dropout_rate)
 
   def FProp(self, theta: NestedMap, x: tf.Tensor) -> tf.Tensor:
     """Returns x with dropout applied in a training context."""
     del theta  # No variables.
     x = tf.cast(x, self.fprop_dtype)
-    return ApplyDropout(x, self.params.dropout_rate, self.path)
+    return apply_dropout(x, self.params.dropout_rate, self.path)
 
   @classmethod
   def FPropMeta(cls, p: Params, x: tf.TensorShape) -> base_layer.LayerMeta:
-    _CheckRate(p.name, p.dropout_rate)
-    return base_layer.LayerMeta.Build(
-        p, flops=shape_lib.NumElements(x), out_shapes=(x,), num_params=0)
+    _check_rate(p.name, p.dropout_rate)
+    return base_layer.LayerMeta.build(
+        p, flops=shape_lib.num_elements(x), out_shapes=(x,), num_params=0)
 
 
-def _CheckRate(where: str, rate: float) -> None:
+def _check_rate(where: str, rate: float) -> None:
   if not 0 <= rate < 1:
     raise base_layer.LayerError(
         f'{where}: dropout_rate must be in [0, 1), got {rate}; set '

@@ -37,7 +37,7 @@ from lingvo_pipe.core.nested_map import NestedMap
 LayerError = base_layer.LayerError
 
 
-def _CheckPositive(where: str, name: str, value: Any, fix: str) -> None:
+def _check_positive(where: str, name: str, value: Any, fix: str) -> None:
   if not isinstance(value, int) or value <= 0:
     raise LayerError(f'{where}: {name} must be an int > 0, got {value!r}; '
                      f'{fix}')
@@ -69,7 +69,7 @@ class EmbeddingLayer(base_layer.BaseLayer):
 
   def __init__(self, params: InstantiableParams) -> None:
     super().__init__(params)
-    _CheckParams(self.path, self.params)
+    _check_params(self.path, self.params)
     p = self.params
     self.CreateVariable(
         'emb', base_layer.WeightParams([p.vocab_size, p.embedding_dim]))
@@ -97,7 +97,7 @@ class EmbeddingLayer(base_layer.BaseLayer):
     if p.check_ids:
       msg = (f'{self.path}: ids must be in [0, vocab_size={p.vocab_size}); '
              'fix the input pipeline or raise p.vocab_size.')
-      ids = _CheckedIds(ids, p.vocab_size, msg)
+      ids = _checked_ids(ids, p.vocab_size, msg)
     emb = tf.cast(theta.emb, self.fprop_dtype)
     out = tf.gather(emb, ids)
     if p.scale_sqrt_depth:
@@ -106,22 +106,22 @@ class EmbeddingLayer(base_layer.BaseLayer):
 
   @classmethod
   def FPropMeta(cls, p: Params, ids: tf.TensorShape) -> base_layer.LayerMeta:
-    _CheckParams(p.name, p)
+    _check_params(p.name, p)
     ids = tf.TensorShape(ids)
     out = ids.concatenate([p.embedding_dim])
-    return base_layer.LayerMeta.Build(
+    return base_layer.LayerMeta.build(
         p, flops=out.num_elements() or 0, out_shapes=(out,),
         num_params=p.vocab_size * p.embedding_dim)
 
 
-def _CheckParams(where: str, p: Params) -> None:
-  _CheckPositive(where, 'vocab_size', p.vocab_size,
-                 'set p.vocab_size to the number of distinct ids.')
-  _CheckPositive(where, 'embedding_dim', p.embedding_dim,
-                 'set p.embedding_dim to the model depth, e.g. 512.')
+def _check_params(where: str, p: Params) -> None:
+  _check_positive(where, 'vocab_size', p.vocab_size,
+                  'set p.vocab_size to the number of distinct ids.')
+  _check_positive(where, 'embedding_dim', p.embedding_dim,
+                  'set p.embedding_dim to the model depth, e.g. 512.')
 
 
-def _CheckedIds(ids: tf.Tensor, vocab_size: int, msg: str) -> tf.Tensor:
+def _checked_ids(ids: tf.Tensor, vocab_size: int, msg: str) -> tf.Tensor:
   checks = [
       tf.debugging.assert_non_negative(ids, message=msg),
       tf.debugging.assert_less(ids, tf.cast(vocab_size, ids.dtype),
@@ -131,10 +131,10 @@ def _CheckedIds(ids: tf.Tensor, vocab_size: int, msg: str) -> tf.Tensor:
     return tf.identity(ids)
 
 
-def SinusoidalPositions(length: Any, depth: int, position_offset: Any = 0,
-                        min_timescale: float = 1.0,
-                        max_timescale: float = 1.0e4,
-                        dtype: tf.DType = tf.float32) -> tf.Tensor:
+def sinusoidal_positions(length: Any, depth: int, position_offset: Any = 0,
+                         min_timescale: float = 1.0,
+                         max_timescale: float = 1.0e4,
+                         dtype: tf.DType = tf.float32) -> tf.Tensor:
   """The Transformer's sine/cosine encodings of positions offset..offset+T-1.
 
   Channel i < D/2 of position s is sin(s / max_ts^(i/(D/2-1))) (min_ts = 1);
@@ -186,7 +186,7 @@ class PositionalEmbeddingLayer(base_layer.BaseLayer):
 
   def __init__(self, params: InstantiableParams) -> None:
     super().__init__(params)
-    _CheckDepth(self.path, self.params)
+    _check_depth(self.path, self.params)
 
   def FProp(self, theta: NestedMap, x: tf.Tensor,
             position_offset: Any = 0) -> tf.Tensor:
@@ -208,20 +208,20 @@ class PositionalEmbeddingLayer(base_layer.BaseLayer):
       raise LayerError(f'{self.path}: expected x of shape [B, T, '
                        f'{p.embedding_dim}], got {x.shape}; set '
                        'p.embedding_dim to the input depth.')
-    pos = SinusoidalPositions(tf.shape(x)[1], p.embedding_dim,
-                              position_offset, p.min_timescale,
-                              p.max_timescale, self.fprop_dtype)
+    pos = sinusoidal_positions(tf.shape(x)[1], p.embedding_dim,
+                               position_offset, p.min_timescale,
+                               p.max_timescale, self.fprop_dtype)
     return x + pos[None]
 
   @classmethod
   def FPropMeta(cls, p: Params, x: tf.TensorShape) -> base_layer.LayerMeta:
-    _CheckDepth(p.name, p)
+    _check_depth(p.name, p)
     x = tf.TensorShape(x)
-    return base_layer.LayerMeta.Build(
+    return base_layer.LayerMeta.build(
         p, flops=x.num_elements() or 0, out_shapes=(x,), num_params=0)
 
 
-def _CheckDepth(where: str, p: Params) -> None:
+def _check_depth(where: str, p: Params) -> None:
   if (not isinstance(p.embedding_dim, int) or p.embedding_dim <= 0 or
       p.embedding_dim % 2):
     raise LayerError(f'{where}: embedding_dim must be an even int > 0, got '

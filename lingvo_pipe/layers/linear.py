@@ -43,8 +43,8 @@ class FCLayer(base_layer.BaseLayer):
   def __init__(self, params: InstantiableParams) -> None:
     super().__init__(params)
     p = self.params
-    _CheckDims(self.path, p)
-    self._act = activations.GetActivation(p.activation)
+    _check_dims(self.path, p)
+    self._act = activations.get_activation(p.activation)
     self.CreateVariable('w', base_layer.WeightParams(
         [p.input_dim, p.output_dim]))
     if p.has_bias:
@@ -75,20 +75,20 @@ class FCLayer(base_layer.BaseLayer):
 
   @classmethod
   def FPropMeta(cls, p: Params, x: tf.TensorShape) -> base_layer.LayerMeta:
-    _CheckDims(p.name, p)
+    _check_dims(p.name, p)
     x = tf.TensorShape(x)
     if x.rank is None or x.rank < 2 or x[-1] != p.input_dim:
       raise base_layer.LayerError(
           f'{p.name}: FCLayer expects input shape [B, ..., {p.input_dim}], '
           f'got {x}; set p.input_dim to the last dimension of the input.')
     out = x[:-1].concatenate([p.output_dim])
-    rows = shape_lib.NumElements(x[:-1])
+    rows = shape_lib.num_elements(x[:-1])
     outputs = rows * p.output_dim
     flops = 2 * rows * p.input_dim * p.output_dim
     flops += outputs * int(p.has_bias)
-    flops += activations.ActivationFlops(p.activation, outputs)
+    flops += activations.activation_flops(p.activation, outputs)
     num_params = p.input_dim * p.output_dim + p.output_dim * int(p.has_bias)
-    return base_layer.LayerMeta.Build(p, flops=flops, out_shapes=(out,),
+    return base_layer.LayerMeta.build(p, flops=flops, out_shapes=(out,),
                                       num_params=num_params)
 
 
@@ -96,11 +96,11 @@ _WHAT = {'input_dim': 'the last dimension of the input',
          'output_dim': 'the depth you want out'}
 
 
-def _CheckDims(where: str, p: Params) -> None:
+def _check_dims(where: str, p: Params) -> None:
   for key, what in _WHAT.items():
     value = getattr(p, key)
     if not isinstance(value, int) or value <= 0:
       raise base_layer.LayerError(
           f'{where}: {key} must be a positive int, got {value!r}; set '
           f'p.{key} to {what}.')
-  activations.GetActivation(p.activation, f'{where}: activation')
+  activations.get_activation(p.activation, f'{where}: activation')

@@ -41,8 +41,8 @@ _ONES = base_layer.WeightInit.Constant(1.0)
 _ZEROS = base_layer.WeightInit.Constant(0.0)
 
 
-def _CheckInput(where: str, x_shape: tf.TensorShape, dim: int,
-                key: str) -> None:
+def _check_input(where: str, x_shape: tf.TensorShape, dim: int,
+                 key: str) -> None:
   if x_shape.rank is not None and (x_shape.rank < 1 or
                                    x_shape[-1] not in (None, dim)):
     raise base_layer.LayerError(
@@ -50,7 +50,7 @@ def _CheckInput(where: str, x_shape: tf.TensorShape, dim: int,
         f'{x_shape}; set p.{key} to the number of channels of the input.')
 
 
-def _CheckPositive(where: str, p: Params, key: str) -> None:
+def _check_positive(where: str, p: Params, key: str) -> None:
   value = getattr(p, key)
   if not isinstance(value, (int, float)) or value <= 0:
     raise base_layer.LayerError(
@@ -62,7 +62,7 @@ class BatchNormLayer(base_layer.BaseLayer):
 
   Training step, in pseudo-code:
 
-      with fprop_context.Scope(training=True, stats=collector):
+      with fprop_context.scope(training=True, stats=collector):
         for each micro-batch: y = bn.FProp(bn.theta, x)  # adds count/sum/sum_sq
       bn.FoldStats(collector.stats[bn.path])              # moves the averages
   """
@@ -80,7 +80,7 @@ class BatchNormLayer(base_layer.BaseLayer):
 
   def __init__(self, params: InstantiableParams) -> None:
     super().__init__(params)
-    _CheckBatchNormParams(self.path, self.params)
+    _check_batch_norm_params(self.path, self.params)
     dim = self.params.dim
     self.CreateVariable('beta', base_layer.WeightParams([dim], _ZEROS))
     self.CreateVariable('gamma', base_layer.WeightParams([dim], _ONES))
@@ -94,8 +94,8 @@ class BatchNormLayer(base_layer.BaseLayer):
     p = self.params
     dtype = self.fprop_dtype
     x = tf.cast(x, dtype)
-    _CheckInput(self.path, x.shape, p.dim, 'dim')
-    ctx = fprop_context.Current()
+    _check_input(self.path, x.shape, p.dim, 'dim')
+    ctx = fprop_context.current()
     if ctx.training:
       # Normalise by this micro-batch's moments in the compute dtype (the
       # gradient flows through them); report the sums for the moving
@@ -105,7 +105,7 @@ class BatchNormLayer(base_layer.BaseLayer):
       mean, variance = tf.nn.moments(x, axes)
       if ctx.stats is not None:
         self.AddStats(tf.nest.map_structure(
-            tf.stop_gradient, _SufficientStats(x, p.stats_dtype)))
+            tf.stop_gradient, _sufficient_stats(x, p.stats_dtype)))
     else:
       mean, variance = theta.moving_mean, theta.moving_variance
     mean, variance = tf.cast(mean, dtype), tf.cast(variance, dtype)
@@ -122,7 +122,7 @@ class BatchNormLayer(base_layer.BaseLayer):
     Returns:
       The two assign ops (the updated variables in eager mode).
     """
-    mean, variance = _MeanVariance(stats.count, stats.sum, stats.sum_sq)
+    mean, variance = _mean_variance(stats.count, stats.sum, stats.sum_sq)
     decay = self.params.decay
     ops = []
     for var, batch in ((self.vars.moving_mean, mean),
@@ -133,23 +133,23 @@ class BatchNormLayer(base_layer.BaseLayer):
 
   @classmethod
   def FPropMeta(cls, p: Params, x: tf.TensorShape) -> base_layer.LayerMeta:
-    _CheckBatchNormParams(p.name, p)
+    _check_batch_norm_params(p.name, p)
     x = tf.TensorShape(x)
-    _CheckInput(p.name, x, p.dim, 'dim')
-    return base_layer.LayerMeta.Build(
-        p, flops=shape_lib.NumElements(x), out_shapes=(x,),
+    _check_input(p.name, x, p.dim, 'dim')
+    return base_layer.LayerMeta.build(
+        p, flops=shape_lib.num_elements(x), out_shapes=(x,),
         num_params=4 * p.dim)
 
 
-def _CheckBatchNormParams(where: str, p: Params) -> None:
-  _CheckPositive(where, p, 'dim')
-  _CheckPositive(where, p, 'epsilon')
+def _check_batch_norm_params(where: str, p: Params) -> None:
+  _check_positive(where, p, 'dim')
+  _check_positive(where, p, 'epsilon')
   if not 0 <= p.decay < 1:
     raise base_layer.LayerError(
         f'{where}: decay must be in [0, 1), got {p.decay}; e.g. 0.99.')
 
 
-def _SufficientStats(x: tf.Tensor, dtype: tf.DType) -> NestedMap:
+def _sufficient_stats(x: tf.Tensor, dtype: tf.DType) -> NestedMap:
   """count (scalar), Σx and Σx² ([C]) over all dims but the last."""
   xs = tf.cast(x, dtype)
   axes = list(range(x.shape.rank - 1))
@@ -158,8 +158,8 @@ def _SufficientStats(x: tf.Tensor, dtype: tf.DType) -> NestedMap:
                    sum_sq=tf.reduce_sum(tf.square(xs), axes))
 
 
-def _MeanVariance(count: tf.Tensor, total: tf.Tensor,
-                  total_sq: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+def _mean_variance(count: tf.Tensor, total: tf.Tensor,
+                   total_sq: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
   mean = total / count
   return mean, tf.maximum(total_sq / count - tf.square(mean), 0.0)
 
@@ -180,8 +180,8 @@ class LayerNormLayer(base_layer.BaseLayer):
 
   def __init__(self, params: InstantiableParams) -> None:
     super().__init__(params)
-    _CheckPositive(self.path, self.params, 'input_dim')
-    _CheckPositive(self.path, self.params, 'epsilon')
+    _check_positive(self.path, self.params, 'input_dim')
+    _check_positive(self.path, self.params, 'epsilon')
     dim = self.params.input_dim
     self.CreateVariable('scale', base_layer.WeightParams([dim], _ONES))
     self.CreateVariable('bias', base_layer.WeightParams([dim], _ZEROS))
@@ -191,7 +191,7 @@ class LayerNormLayer(base_layer.BaseLayer):
     dtype = self.fprop_dtype
     compute = tf.float32 if dtype in (tf.bfloat16, tf.float16) else dtype
     x = tf.cast(x, compute)
-    _CheckInput(self.path, x.shape, self.params.input_dim, 'input_dim')
+    _check_input(self.path, x.shape, self.params.input_dim, 'input_dim')
     mean, variance = tf.nn.moments(x, axes=[-1], keepdims=True)
     y = (x - mean) * tf.math.rsqrt(variance + self.params.epsilon)
     y = y * tf.cast(theta.scale, compute) + tf.cast(theta.bias, compute)
@@ -199,9 +199,9 @@ class LayerNormLayer(base_layer.BaseLayer):
 
   @classmethod
   def FPropMeta(cls, p: Params, x: tf.TensorShape) -> base_layer.LayerMeta:
-    _CheckPositive(p.name, p, 'input_dim')
+    _check_positive(p.name, p, 'input_dim')
     x = tf.TensorShape(x)
-    _CheckInput(p.name, x, p.input_dim, 'input_dim')
-    return base_layer.LayerMeta.Build(
-        p, flops=shape_lib.NumElements(x), out_shapes=(x,),
+    _check_input(p.name, x, p.input_dim, 'input_dim')
+    return base_layer.LayerMeta.build(
+        p, flops=shape_lib.num_elements(x), out_shapes=(x,),
         num_params=2 * p.input_dim)

@@ -2,7 +2,7 @@
 
 AmoebaNet cells mix separable convs with 3×3 max/avg pools, and every image
 model ends with a global average pool before its classifier. Output shapes
-follow the conv arithmetic (`conv.SpatialOutputSize`). With SAME padding,
+follow the conv arithmetic (`conv.spatial_output_size`). With SAME padding,
 average pooling divides by the number of *real* pixels in each window
 (TensorFlow's behaviour), not by the window size.
 
@@ -23,14 +23,14 @@ from lingvo_pipe.layers import shape as shape_lib
 POOLING_TYPES = ('MAX', 'AVG')
 
 
-def _CheckType(where: str, pooling_type: str) -> None:
+def _check_type(where: str, pooling_type: str) -> None:
   if pooling_type not in POOLING_TYPES:
     raise base_layer.LayerError(
         f'{where}: pooling_type must be one of {POOLING_TYPES}, got '
         f'{pooling_type!r}.')
 
 
-def _CheckImage(where: str, x: tf.TensorShape) -> None:
+def _check_image(where: str, x: tf.TensorShape) -> None:
   if x.rank is not None and x.rank != 4:
     raise base_layer.LayerError(
         f'{where}: expects an NHWC input [B, H, W, C], got shape {x}.')
@@ -57,8 +57,8 @@ class PoolingLayer(base_layer.BaseLayer):
 
   @classmethod
   def _Validate(cls, where: str, p: Params) -> None:
-    _CheckType(where, p.pooling_type)
-    conv.CheckWindowParams(where, p, 'window_shape', 'window_stride')
+    _check_type(where, p.pooling_type)
+    conv.check_window_params(where, p, 'window_shape', 'window_stride')
 
   def __init__(self, params: InstantiableParams) -> None:
     super().__init__(params)
@@ -68,7 +68,7 @@ class PoolingLayer(base_layer.BaseLayer):
     del theta  # No variables.
     p = self.params
     x = tf.cast(x, self.fprop_dtype)
-    _CheckImage(self.path, x.shape)
+    _check_image(self.path, x.shape)
     return tf.nn.pool(x, window_shape=list(p.window_shape),
                       pooling_type=p.pooling_type, padding=p.padding,
                       strides=list(p.window_stride))
@@ -77,12 +77,12 @@ class PoolingLayer(base_layer.BaseLayer):
   def FPropMeta(cls, p: Params, x: tf.TensorShape) -> base_layer.LayerMeta:
     cls._Validate(p.name, p)
     x = tf.TensorShape(x)
-    _CheckImage(p.name, x)
-    out = conv.ImageOutputShape(p.name, x, p.window_shape, p.window_stride,
-                                (1, 1), p.padding, x[-1])
+    _check_image(p.name, x)
+    out = conv.image_output_shape(p.name, x, p.window_shape, p.window_stride,
+                                  (1, 1), p.padding, x[-1])
     window = p.window_shape[0] * p.window_shape[1]
-    return base_layer.LayerMeta.Build(
-        p, flops=shape_lib.NumElements(out) * window, out_shapes=(out,),
+    return base_layer.LayerMeta.build(
+        p, flops=shape_lib.num_elements(out) * window, out_shapes=(out,),
         num_params=0)
 
 
@@ -97,23 +97,23 @@ class GlobalPoolingLayer(base_layer.BaseLayer):
 
   def __init__(self, params: InstantiableParams) -> None:
     super().__init__(params)
-    _CheckType(self.path, self.params.pooling_type)
+    _check_type(self.path, self.params.pooling_type)
 
   def FProp(self, theta: NestedMap, x: tf.Tensor) -> tf.Tensor:
     del theta  # No variables.
     x = tf.cast(x, self.fprop_dtype)
-    _CheckImage(self.path, x.shape)
+    _check_image(self.path, x.shape)
     if self.params.pooling_type == 'MAX':
       return tf.reduce_max(x, axis=[1, 2])
     return tf.reduce_mean(x, axis=[1, 2])
 
   @classmethod
   def FPropMeta(cls, p: Params, x: tf.TensorShape) -> base_layer.LayerMeta:
-    _CheckType(p.name, p.pooling_type)
+    _check_type(p.name, p.pooling_type)
     x = tf.TensorShape(x)
     if x.rank != 4:
       raise base_layer.LayerError(
           f'{p.name}: expects an NHWC input [B, H, W, C], got shape {x}.')
-    return base_layer.LayerMeta.Build(
-        p, flops=shape_lib.NumElements(x),
+    return base_layer.LayerMeta.build(
+        p, flops=shape_lib.num_elements(x),
         out_shapes=(tf.TensorShape([x[0], x[3]]),), num_params=0)

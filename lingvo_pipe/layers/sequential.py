@@ -26,8 +26,8 @@ from lingvo_pipe.core.hyperparams import InstantiableParams, Params
 from lingvo_pipe.core.nested_map import NestedMap
 
 
-def ChainFProp(layers: Sequence[base_layer.BaseLayer],
-               thetas: Sequence[NestedMap], inputs: tuple[Any, ...]) -> Any:
+def chain_fprop(layers: Sequence[base_layer.BaseLayer],
+                thetas: Sequence[NestedMap], inputs: tuple[Any, ...]) -> Any:
   """Runs `layers` in order under the tuple-chaining rule; the last output."""
   args, out = inputs, None
   for layer, theta in zip(layers, thetas):
@@ -36,8 +36,8 @@ def ChainFProp(layers: Sequence[base_layer.BaseLayer],
   return out
 
 
-def ChainFPropMeta(params_list: Sequence[Params], names: Sequence[str],
-                   input_shapes: tuple[Any, ...]) -> base_layer.LayerMeta:
+def chain_fprop_meta(params_list: Sequence[Params], names: Sequence[str],
+                     input_shapes: tuple[Any, ...]) -> base_layer.LayerMeta:
   """Chains the FPropMeta of `params_list` (named `names` in errors)."""
   meta: base_layer.LayerMeta | None = None
   shapes = input_shapes
@@ -49,12 +49,12 @@ def ChainFPropMeta(params_list: Sequence[Params], names: Sequence[str],
     shapes = m.out_shapes
   if meta is None:
     raise base_layer.LayerError(
-        f'ChainFPropMeta got no layers (names {list(names)}); a stack needs '
+        f'chain_fprop_meta got no layers (names {list(names)}); a stack needs '
         'at least one layer.')
   return meta
 
 
-def _CheckLayerParams(where: str, key: str, p: Any) -> None:
+def _check_layer_params(where: str, key: str, p: Any) -> None:
   if not (isinstance(p, InstantiableParams) and isinstance(p.cls, type) and
           issubclass(p.cls, base_layer.BaseLayer)):
     raise base_layer.LayerError(
@@ -87,7 +87,7 @@ class SequentialLayer(base_layer.BaseLayer):
           f'{where}: sub must be a non-empty list of layer Params, got '
           f'{p.sub!r}; use IdentityLayer for a stack that does nothing.')
     for i, sub in enumerate(p.sub):
-      _CheckLayerParams(where, f'sub[{i}]', sub)
+      _check_layer_params(where, f'sub[{i}]', sub)
 
   def __init__(self, params: InstantiableParams) -> None:
     super().__init__(params)
@@ -95,13 +95,13 @@ class SequentialLayer(base_layer.BaseLayer):
     self.CreateChildren('sub', list(self.params.sub))
 
   def FProp(self, theta: NestedMap, *inputs: Any) -> Any:
-    return ChainFProp(self.children.sub, theta.sub, inputs)
+    return chain_fprop(self.children.sub, theta.sub, inputs)
 
   @classmethod
   def FPropMeta(cls, p: Params, *input_shapes: Any) -> base_layer.LayerMeta:
     cls._Validate(p.name, p)
     names = [f'{p.name}.sub[{i}]' for i in range(len(p.sub))]
-    return ChainFPropMeta(p.sub, names, input_shapes)
+    return chain_fprop_meta(p.sub, names, input_shapes)
 
 
 class RepeatLayer(base_layer.BaseLayer):
@@ -119,7 +119,7 @@ class RepeatLayer(base_layer.BaseLayer):
 
   @classmethod
   def _Validate(cls, where: str, p: Params) -> None:
-    _CheckLayerParams(where, 'body', p.body)
+    _check_layer_params(where, 'body', p.body)
     if not isinstance(p.repeat, int) or p.repeat < 1:
       raise base_layer.LayerError(
           f'{where}: repeat must be an int ≥ 1, got {p.repeat!r}; set '
@@ -132,10 +132,10 @@ class RepeatLayer(base_layer.BaseLayer):
     self.CreateChildren('body', [p.body] * p.repeat)
 
   def FProp(self, theta: NestedMap, *inputs: Any) -> Any:
-    return ChainFProp(self.children.body, theta.body, inputs)
+    return chain_fprop(self.children.body, theta.body, inputs)
 
   @classmethod
   def FPropMeta(cls, p: Params, *input_shapes: Any) -> base_layer.LayerMeta:
     cls._Validate(p.name, p)
     names = [f'{p.name}.body[{i}]' for i in range(p.repeat)]
-    return ChainFPropMeta([p.body] * p.repeat, names, input_shapes)
+    return chain_fprop_meta([p.body] * p.repeat, names, input_shapes)

@@ -3,7 +3,7 @@
 A pipeline is a flat list of layers, so the glue between a conv tower and a
 classifier head (flattening [B, H, W, C] to [B, H·W·C]) has to be a layer too
 for the partitioner to place it. These layers have no variables and cost 0
-flops (a reshape moves no data). `NumElements` is the shared helper the other
+flops (a reshape moves no data). `num_elements` is the shared helper the other
 layer modules use to count elements of a possibly partly unknown shape.
 """
 
@@ -19,7 +19,7 @@ from lingvo_pipe.core.hyperparams import InstantiableParams, Params
 from lingvo_pipe.core.nested_map import NestedMap
 
 
-def NumElements(shape: tf.TensorShape) -> int:
+def num_elements(shape: tf.TensorShape) -> int:
   """Elements of `shape`, counting unknown dims as 1 (like LayerMeta)."""
   return int(np.prod([d if d is not None else 1 for d in
                       tf.TensorShape(shape).as_list()]))
@@ -34,7 +34,7 @@ class IdentityLayer(base_layer.BaseLayer):
 
   @classmethod
   def FPropMeta(cls, p: Params, *input_shapes: Any) -> base_layer.LayerMeta:
-    return base_layer.LayerMeta.Build(p, flops=0, out_shapes=input_shapes,
+    return base_layer.LayerMeta.build(p, flops=0, out_shapes=input_shapes,
                                       num_params=0)
 
 
@@ -59,7 +59,7 @@ class FlattenLayer(base_layer.BaseLayer):
       raise base_layer.LayerError(
           f'{p.name}: FlattenLayer needs an input of rank ≥ 2, got {x}.')
     rest = x[1:].num_elements()
-    return base_layer.LayerMeta.Build(
+    return base_layer.LayerMeta.build(
         p, flops=0, out_shapes=(tf.TensorShape([x[0], rest]),), num_params=0)
 
 
@@ -75,7 +75,7 @@ class ReshapeLayer(base_layer.BaseLayer):
 
   def __init__(self, params: InstantiableParams) -> None:
     super().__init__(params)
-    _CheckShape(self.path, self.params.shape)
+    _check_shape(self.path, self.params.shape)
 
   def FProp(self, theta: NestedMap, x: tf.Tensor) -> tf.Tensor:
     del theta  # No variables.
@@ -83,7 +83,7 @@ class ReshapeLayer(base_layer.BaseLayer):
 
   @classmethod
   def FPropMeta(cls, p: Params, x: tf.TensorShape) -> base_layer.LayerMeta:
-    _CheckShape(p.name, p.shape)
+    _check_shape(p.name, p.shape)
     x = tf.TensorShape(x)
     out = list(p.shape)
     if -1 in out:
@@ -94,11 +94,11 @@ class ReshapeLayer(base_layer.BaseLayer):
             f'{p.name}: cannot reshape per-example shape {x[1:]} ({rest} '
             f'elements) to {out}; fix p.shape.')
       out[out.index(-1)] = rest // known if rest is not None else None
-    return base_layer.LayerMeta.Build(
+    return base_layer.LayerMeta.build(
         p, flops=0, out_shapes=(tf.TensorShape([x[0]] + out),), num_params=0)
 
 
-def _CheckShape(where: str, shape: list[int]) -> None:
+def _check_shape(where: str, shape: list[int]) -> None:
   bad = [d for d in shape if not isinstance(d, int) or (d < 1 and d != -1)]
   if not shape or bad or list(shape).count(-1) > 1:
     raise base_layer.LayerError(

@@ -8,9 +8,9 @@ caps logits to [-c, c] (0 disables).
 The loss is a pure function of logits, so the layer stays a projection and a
 task decides how to reduce it:
 
-  * `SoftmaxCrossEntropy(logits, class_ids, label_smoothing, weights)` gives
+  * `softmax_cross_entropy(logits, class_ids, label_smoothing, weights)` gives
     the loss at every position.
-  * `MeanSoftmaxCrossEntropy(...)` gives `(mean loss, total weight)`, the
+  * `mean_softmax_cross_entropy(...)` gives `(mean loss, total weight)`, the
     `(value, weight)` pair of the BaseTask metric convention.
 
 Label smoothing with ε: the target distribution puts 1 − ε on the label and
@@ -41,7 +41,7 @@ class SoftmaxLayer(base_layer.BaseLayer):
   ...                               num_classes=10, logits_abs_max=30.0)
   >>> layer = p.Instantiate()
   >>> logits = layer.FProp(layer.theta, tf.ones([2, 3, 4]))  # [2, 3, 10]
-  >>> xent = SoftmaxCrossEntropy(logits, tf.zeros([2, 3], tf.int32), 0.1)
+  >>> xent = softmax_cross_entropy(logits, tf.zeros([2, 3], tf.int32), 0.1)
   """
 
   @classmethod
@@ -57,7 +57,7 @@ class SoftmaxLayer(base_layer.BaseLayer):
 
   def __init__(self, params: InstantiableParams) -> None:
     super().__init__(params)
-    _CheckParams(self.path, self.params)
+    _check_params(self.path, self.params)
     p = self.params
     self.CreateVariable(
         'w', base_layer.WeightParams([p.input_dim, p.num_classes]))
@@ -95,7 +95,7 @@ class SoftmaxLayer(base_layer.BaseLayer):
 
   @classmethod
   def FPropMeta(cls, p: Params, x: tf.TensorShape) -> base_layer.LayerMeta:
-    _CheckParams(p.name, p)
+    _check_params(p.name, p)
     x = tf.TensorShape(x)
     if x.rank is None or x[-1] != p.input_dim:
       raise LayerError(f'{p.name}: input last dim of {x} != input_dim '
@@ -107,11 +107,11 @@ class SoftmaxLayer(base_layer.BaseLayer):
     flops = rows * p.num_classes * (2 * p.input_dim + per_logit)
     num_params = p.input_dim * p.num_classes + (p.num_classes
                                                 if p.has_bias else 0)
-    return base_layer.LayerMeta.Build(
+    return base_layer.LayerMeta.build(
         p, flops=flops, out_shapes=(out,), num_params=num_params)
 
 
-def _CheckParams(where: str, p: Params) -> None:
+def _check_params(where: str, p: Params) -> None:
   for name, fix in (('input_dim', 'the feature depth'),
                     ('num_classes', 'the number of classes')):
     value = getattr(p, name)
@@ -123,9 +123,9 @@ def _CheckParams(where: str, p: Params) -> None:
                      f'{p.logits_abs_max}; use 0 to disable clipping.')
 
 
-def SoftmaxCrossEntropy(logits: tf.Tensor, class_ids: tf.Tensor,
-                        label_smoothing: float = 0.0,
-                        weights: tf.Tensor | None = None) -> tf.Tensor:
+def softmax_cross_entropy(logits: tf.Tensor, class_ids: tf.Tensor,
+                          label_smoothing: float = 0.0,
+                          weights: tf.Tensor | None = None) -> tf.Tensor:
   """Label-smoothed cross-entropy at every position.
 
   Args:
@@ -144,7 +144,7 @@ def SoftmaxCrossEntropy(logits: tf.Tensor, class_ids: tf.Tensor,
     LayerError: if label_smoothing is outside [0, 1) or V < 2 with smoothing.
   """
   if not 0.0 <= label_smoothing < 1.0:
-    raise LayerError(f'SoftmaxCrossEntropy: label_smoothing must be in '
+    raise LayerError(f'softmax_cross_entropy: label_smoothing must be in '
                      f'[0, 1), got {label_smoothing}; 0.1 is the '
                      'Transformer\'s value.')
   log_probs = tf.nn.log_softmax(tf.cast(logits, tf.float32))  # [..., V]
@@ -154,7 +154,7 @@ def SoftmaxCrossEntropy(logits: tf.Tensor, class_ids: tf.Tensor,
   nll = -tf.reduce_sum(labels * log_probs, axis=-1)  # [...]
   if label_smoothing > 0:
     if num_classes is not None and num_classes < 2:
-      raise LayerError('SoftmaxCrossEntropy: label smoothing needs at least '
+      raise LayerError('softmax_cross_entropy: label smoothing needs at least '
                        f'2 classes, got {num_classes}; set it to 0.')
     num = tf.cast(depth, tf.float32)
     off = label_smoothing / (num - 1.0)
@@ -168,17 +168,17 @@ def SoftmaxCrossEntropy(logits: tf.Tensor, class_ids: tf.Tensor,
   return loss
 
 
-def MeanSoftmaxCrossEntropy(logits: tf.Tensor, class_ids: tf.Tensor,
-                            weights: tf.Tensor | None = None,
-                            label_smoothing: float = 0.0
-                           ) -> tuple[tf.Tensor, tf.Tensor]:
+def mean_softmax_cross_entropy(logits: tf.Tensor, class_ids: tf.Tensor,
+                               weights: tf.Tensor | None = None,
+                               label_smoothing: float = 0.0
+                              ) -> tuple[tf.Tensor, tf.Tensor]:
   """(Σ weights·loss / Σ weights, Σ weights): a BaseTask `(value, weight)`.
 
   Args:
     logits: [..., V] logits.
     class_ids: [...] int labels.
     weights: optional [...] weights (1 − paddings); None weighs all 1.
-    label_smoothing: see `SoftmaxCrossEntropy`.
+    label_smoothing: see `softmax_cross_entropy`.
 
   Returns:
     (mean loss, total weight), float32 scalars. With total weight 0 the mean
@@ -187,7 +187,7 @@ def MeanSoftmaxCrossEntropy(logits: tf.Tensor, class_ids: tf.Tensor,
   if weights is None:
     weights = tf.ones(tf.shape(class_ids), tf.float32)
   weights = tf.cast(weights, tf.float32)
-  total = tf.reduce_sum(SoftmaxCrossEntropy(logits, class_ids,
-                                            label_smoothing, weights))
+  total = tf.reduce_sum(softmax_cross_entropy(logits, class_ids,
+                                              label_smoothing, weights))
   weight = tf.reduce_sum(weights)
   return tf.math.divide_no_nan(total, weight), weight

@@ -50,7 +50,7 @@ LayerError = base_layer.LayerError
 LayerMeta = base_layer.LayerMeta
 
 
-def _Check(where: str, p: Params, int_keys: tuple[str, ...],
+def _check(where: str, p: Params, int_keys: tuple[str, ...],
            rate_keys: tuple[str, ...]) -> None:
   for key in int_keys:
     value = getattr(p, key)
@@ -63,19 +63,19 @@ def _Check(where: str, p: Params, int_keys: tuple[str, ...],
                        f'{getattr(p, key)}; e.g. 0.1, or 0 to disable.')
 
 
-def _Inherit(p: Params, child: InstantiableParams) -> InstantiableParams:
+def _inherit(p: Params, child: InstantiableParams) -> InstantiableParams:
   """Children compute in the parent's dtypes."""
   return child.Set(dtype=p.dtype, fprop_dtype=p.fprop_dtype)
 
 
-def _Sum(p: Params, metas: list[LayerMeta], extra_flops: int,
+def _sum(p: Params, metas: list[LayerMeta], extra_flops: int,
          out_shapes: tuple[Any, ...]) -> LayerMeta:
   num_params = sum(m.param_bytes for m in metas) // p.dtype.size
-  return LayerMeta.Build(p, flops=sum(m.flops for m in metas) + extra_flops,
+  return LayerMeta.build(p, flops=sum(m.flops for m in metas) + extra_flops,
                          out_shapes=out_shapes, num_params=num_params)
 
 
-def _Residual(layer: base_layer.BaseLayer, theta: NestedMap, x: tf.Tensor,
+def _residual(layer: base_layer.BaseLayer, theta: NestedMap, x: tf.Tensor,
               fn: Callable[[tf.Tensor], tf.Tensor]) -> tf.Tensor:
   """Pre-LN x + drop(fn(LN(x))) or post-LN LN(x + drop(fn(x))).
 
@@ -84,16 +84,17 @@ def _Residual(layer: base_layer.BaseLayer, theta: NestedMap, x: tf.Tensor,
   p, ln = layer.params, layer.children.ln
   x = tf.cast(x, layer.fprop_dtype)
   y = fn(ln.FProp(theta.ln, x) if p.pre_layer_norm else x)
-  y = dropout.ApplyDropout(y, p.residual_dropout_prob, f'{layer.path}/residual')
+  y = dropout.apply_dropout(y, p.residual_dropout_prob,
+                            f'{layer.path}/residual')
   return x + y if p.pre_layer_norm else ln.FProp(theta.ln, x + y)
 
 
-def _ResidualFlops(p: Params, x: tf.TensorShape) -> int:
+def _residual_flops(p: Params, x: tf.TensorShape) -> int:
   """The residual add and, when active, the residual dropout."""
-  return shape_lib.NumElements(x) * (1 + int(p.residual_dropout_prob > 0))
+  return shape_lib.num_elements(x) * (1 + int(p.residual_dropout_prob > 0))
 
 
-def _Named(where: str, children: dict[str, InstantiableParams]
+def _named(where: str, children: dict[str, InstantiableParams]
           ) -> dict[str, InstantiableParams]:
   """Names children '<where>.<child>' so FPropMeta errors show the path."""
   for name, child in children.items():
@@ -119,12 +120,12 @@ class TransformerAttentionLayer(base_layer.BaseLayer):
 
   @classmethod
   def _Children(cls, p: Params, where: str) -> dict[str, InstantiableParams]:
-    _Check(where, p, ('input_dim', 'num_heads'),
+    _check(where, p, ('input_dim', 'num_heads'),
            ('atten_dropout_prob', 'residual_dropout_prob'))
     return dict(
-        ln=_Inherit(p, normalization.LayerNormLayer.Params().Set(
+        ln=_inherit(p, normalization.LayerNormLayer.Params().Set(
             input_dim=p.input_dim)),
-        atten=_Inherit(p, attention.MultiHeadAttention.Params().Set(
+        atten=_inherit(p, attention.MultiHeadAttention.Params().Set(
             input_dim=p.input_dim, num_heads=p.num_heads,
             atten_dropout_prob=p.atten_dropout_prob, causal=p.causal,
             params_init=p.params_init.Copy())))
@@ -152,25 +153,25 @@ class TransformerAttentionLayer(base_layer.BaseLayer):
       fn = lambda q: atten.FProp(theta.atten, q, q, key_paddings)
     else:
       fn = lambda q: atten.FProp(theta.atten, q, key_value, key_paddings)
-    return _Residual(self, theta, query, fn)
+    return _residual(self, theta, query, fn)
 
   def ExtendStep(self, theta: NestedMap, query_t: tf.Tensor, cache: NestedMap,
                  t: Any) -> tuple[tf.Tensor, NestedMap]:
     """Self-attention at position t (see MultiHeadAttention.ExtendStep)."""
     out: list[NestedMap] = []
 
-    def Fn(q: tf.Tensor) -> tf.Tensor:
+    def fn(q: tf.Tensor) -> tf.Tensor:
       y, new_cache = self.children.atten.ExtendStep(theta.atten, q, cache, t)
       out.append(new_cache)
       return y
 
-    y = _Residual(self, theta, query_t, Fn)
+    y = _residual(self, theta, query_t, fn)
     return y, out[0]
 
   def AttendTo(self, theta: NestedMap, query: tf.Tensor, kv: NestedMap,
                key_paddings: tf.Tensor | None) -> tf.Tensor:
     """Cross-attention over memory projected by `atten.ProjectKeyValue`."""
-    return _Residual(self, theta, query, lambda q: self.children.atten.AttendTo(
+    return _residual(self, theta, query, lambda q: self.children.atten.AttendTo(
         theta.atten, q, kv, key_paddings))
 
   @classmethod
@@ -178,12 +179,12 @@ class TransformerAttentionLayer(base_layer.BaseLayer):
                 key_paddings: tf.TensorShape | None,
                 key_value: tf.TensorShape | None = None) -> LayerMeta:
     where = p.name or cls.__name__
-    c = _Named(where, cls._Children(p, where))
+    c = _named(where, cls._Children(p, where))
     query = tf.TensorShape(query)
     kv = query if key_value is None else tf.TensorShape(key_value)
     metas = [c['ln'].cls.FPropMeta(c['ln'], query),
              c['atten'].cls.FPropMeta(c['atten'], query, kv, key_paddings)]
-    return _Sum(p, metas, _ResidualFlops(p, query), (query,))
+    return _sum(p, metas, _residual_flops(p, query), (query,))
 
 
 class TransformerFeedForwardLayer(base_layer.BaseLayer):
@@ -206,7 +207,7 @@ class TransformerFeedForwardLayer(base_layer.BaseLayer):
 
   @classmethod
   def _Children(cls, p: Params, where: str) -> dict[str, InstantiableParams]:
-    _Check(where, p, ('input_dim', 'hidden_dim'),
+    _check(where, p, ('input_dim', 'hidden_dim'),
            ('relu_dropout_prob', 'residual_dropout_prob'))
     if not p.init_scale > 0:
       raise LayerError(f'{where}: init_scale must be > 0, got '
@@ -214,13 +215,13 @@ class TransformerFeedForwardLayer(base_layer.BaseLayer):
     init = base_layer.WeightInit.Xavier(p.init_scale)
     fc = linear.FCLayer.Params
     return dict(
-        ln=_Inherit(p, normalization.LayerNormLayer.Params().Set(
+        ln=_inherit(p, normalization.LayerNormLayer.Params().Set(
             input_dim=p.input_dim)),
-        fc_in=_Inherit(p, fc().Set(input_dim=p.input_dim,
+        fc_in=_inherit(p, fc().Set(input_dim=p.input_dim,
                                    output_dim=p.hidden_dim,
                                    activation=p.activation,
                                    params_init=init.Copy())),
-        fc_out=_Inherit(p, fc().Set(input_dim=p.hidden_dim,
+        fc_out=_inherit(p, fc().Set(input_dim=p.hidden_dim,
                                     output_dim=p.input_dim,
                                     params_init=init.Copy())))
 
@@ -231,29 +232,29 @@ class TransformerFeedForwardLayer(base_layer.BaseLayer):
 
   def _Ffn(self, theta: NestedMap, x: tf.Tensor) -> tf.Tensor:
     h = self.children.fc_in.FProp(theta.fc_in, x)
-    h = dropout.ApplyDropout(h, self.params.relu_dropout_prob,
-                             f'{self.path}/relu')
+    h = dropout.apply_dropout(h, self.params.relu_dropout_prob,
+                              f'{self.path}/relu')
     return self.children.fc_out.FProp(theta.fc_out, h)
 
   def FProp(self, theta: NestedMap, x: tf.Tensor) -> tf.Tensor:
     """[..., D] → [..., D]."""
-    return _Residual(self, theta, x, lambda y: self._Ffn(theta, y))
+    return _residual(self, theta, x, lambda y: self._Ffn(theta, y))
 
   @classmethod
   def FPropMeta(cls, p: Params, x: tf.TensorShape) -> LayerMeta:
     where = p.name or cls.__name__
-    c = _Named(where, cls._Children(p, where))
+    c = _named(where, cls._Children(p, where))
     x = tf.TensorShape(x)
     metas = [c['ln'].cls.FPropMeta(c['ln'], x),
              c['fc_in'].cls.FPropMeta(c['fc_in'], x)]
     hidden = metas[-1].out_shapes[0]
     metas.append(c['fc_out'].cls.FPropMeta(c['fc_out'], hidden))
-    relu_drop = (shape_lib.NumElements(hidden)
+    relu_drop = (shape_lib.num_elements(hidden)
                  if p.relu_dropout_prob > 0 else 0)
-    return _Sum(p, metas, _ResidualFlops(p, x) + relu_drop, (x,))
+    return _sum(p, metas, _residual_flops(p, x) + relu_drop, (x,))
 
 
-def _TransformerParams(p: InstantiableParams) -> InstantiableParams:
+def _transformer_params(p: InstantiableParams) -> InstantiableParams:
   p.Define('input_dim', 0, 'Model depth D.')
   p.Define('num_heads', 8, 'Attention heads; D must divide by it.')
   p.Define('hidden_dim', 0, 'Feed-forward inner depth, typically 4·D.')
@@ -268,24 +269,24 @@ def _TransformerParams(p: InstantiableParams) -> InstantiableParams:
   return p
 
 
-def _AttenParams(p: Params, causal: bool) -> InstantiableParams:
-  return _Inherit(p, TransformerAttentionLayer.Params().Set(
+def _atten_params(p: Params, causal: bool) -> InstantiableParams:
+  return _inherit(p, TransformerAttentionLayer.Params().Set(
       input_dim=p.input_dim, num_heads=p.num_heads, causal=causal,
       atten_dropout_prob=p.atten_dropout_prob,
       residual_dropout_prob=p.residual_dropout_prob,
       pre_layer_norm=p.pre_layer_norm, params_init=p.params_init.Copy()))
 
 
-def _FfnParams(p: Params) -> InstantiableParams:
-  return _Inherit(p, TransformerFeedForwardLayer.Params().Set(
+def _ffn_params(p: Params) -> InstantiableParams:
+  return _inherit(p, TransformerFeedForwardLayer.Params().Set(
       input_dim=p.input_dim, hidden_dim=p.hidden_dim,
       activation=p.activation, relu_dropout_prob=p.relu_dropout_prob,
       residual_dropout_prob=p.residual_dropout_prob,
       pre_layer_norm=p.pre_layer_norm, init_scale=p.ffn_init_scale))
 
 
-def _CheckPaddings(where: str, x: tf.Tensor, paddings: tf.Tensor,
-                   what: str) -> tf.Tensor:
+def _check_paddings(where: str, x: tf.Tensor, paddings: tf.Tensor,
+                    what: str) -> tf.Tensor:
   paddings = tf.convert_to_tensor(paddings)
   if paddings.shape.rank != 2 or not paddings.shape.is_compatible_with(
       x.shape[:2]):
@@ -307,29 +308,29 @@ class TransformerEncoderLayer(base_layer.BaseLayer):
 
   @classmethod
   def Params(cls) -> InstantiableParams:
-    return _TransformerParams(super().Params())
+    return _transformer_params(super().Params())
 
   def __init__(self, params: InstantiableParams) -> None:
     super().__init__(params)
-    self.CreateChild('self_atten', _AttenParams(self.params, causal=False))
-    self.CreateChild('ffn', _FfnParams(self.params))
+    self.CreateChild('self_atten', _atten_params(self.params, causal=False))
+    self.CreateChild('ffn', _ffn_params(self.params))
 
   def FProp(self, theta: NestedMap, x: tf.Tensor,
             paddings: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
     """x [B, T, D], paddings [B, T] → (x [B, T, D], paddings)."""
-    paddings = _CheckPaddings(self.path, x, paddings, 'paddings')
+    paddings = _check_paddings(self.path, x, paddings, 'paddings')
     x = self.children.self_atten.FProp(theta.self_atten, x, paddings)
     return self.children.ffn.FProp(theta.ffn, x), paddings
 
   @classmethod
   def FPropMeta(cls, p: Params, x: tf.TensorShape,
                 paddings: tf.TensorShape) -> LayerMeta:
-    c = _Named(p.name or cls.__name__, dict(
-        self_atten=_AttenParams(p, causal=False), ffn=_FfnParams(p)))
+    c = _named(p.name or cls.__name__, dict(
+        self_atten=_atten_params(p, causal=False), ffn=_ffn_params(p)))
     atten, ffn = c['self_atten'], c['ffn']
     metas = [atten.cls.FPropMeta(atten, x, paddings),
              ffn.cls.FPropMeta(ffn, x)]
-    return _Sum(p, metas, 0, (x, paddings))
+    return _sum(p, metas, 0, (x, paddings))
 
 
 class TransformerDecoderLayer(base_layer.BaseLayer):
@@ -345,13 +346,13 @@ class TransformerDecoderLayer(base_layer.BaseLayer):
 
   @classmethod
   def Params(cls) -> InstantiableParams:
-    return _TransformerParams(super().Params())
+    return _transformer_params(super().Params())
 
   def __init__(self, params: InstantiableParams) -> None:
     super().__init__(params)
-    self.CreateChild('self_atten', _AttenParams(self.params, causal=True))
-    self.CreateChild('cross_atten', _AttenParams(self.params, causal=False))
-    self.CreateChild('ffn', _FfnParams(self.params))
+    self.CreateChild('self_atten', _atten_params(self.params, causal=True))
+    self.CreateChild('cross_atten', _atten_params(self.params, causal=False))
+    self.CreateChild('ffn', _ffn_params(self.params))
 
   def FProp(self, theta: NestedMap, x: tf.Tensor, paddings: tf.Tensor,
             memory: tf.Tensor, memory_paddings: tf.Tensor) -> tuple[Any, ...]:
@@ -362,9 +363,9 @@ class TransformerDecoderLayer(base_layer.BaseLayer):
     """
     c = self.children
     x, memory = tf.cast(x, self.fprop_dtype), tf.cast(memory, self.fprop_dtype)
-    paddings = _CheckPaddings(self.path, x, paddings, 'paddings')
-    memory_paddings = _CheckPaddings(self.path, memory, memory_paddings,
-                                     'memory_paddings')
+    paddings = _check_paddings(self.path, x, paddings, 'paddings')
+    memory_paddings = _check_paddings(self.path, memory, memory_paddings,
+                                      'memory_paddings')
     y = c.self_atten.FProp(theta.self_atten, x, paddings)
     y = c.cross_atten.FProp(theta.cross_atten, y, memory_paddings, memory)
     return c.ffn.FProp(theta.ffn, y), paddings, memory, memory_paddings
@@ -399,11 +400,11 @@ class TransformerDecoderLayer(base_layer.BaseLayer):
   def FPropMeta(cls, p: Params, x: tf.TensorShape, paddings: tf.TensorShape,
                 memory: tf.TensorShape,
                 memory_paddings: tf.TensorShape) -> LayerMeta:
-    c = _Named(p.name or cls.__name__, dict(
-        self_atten=_AttenParams(p, True), cross_atten=_AttenParams(p, False),
-        ffn=_FfnParams(p)))
+    c = _named(p.name or cls.__name__, dict(
+        self_atten=_atten_params(p, True), cross_atten=_atten_params(p, False),
+        ffn=_ffn_params(p)))
     self_atten, cross, ffn = c['self_atten'], c['cross_atten'], c['ffn']
     metas = [self_atten.cls.FPropMeta(self_atten, x, paddings),
              cross.cls.FPropMeta(cross, x, memory_paddings, memory),
              ffn.cls.FPropMeta(ffn, x)]
-    return _Sum(p, metas, 0, (x, paddings, memory, memory_paddings))
+    return _sum(p, metas, 0, (x, paddings, memory, memory_paddings))

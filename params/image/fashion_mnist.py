@@ -28,7 +28,7 @@ from tasks.image import model
 _TRAIN_EXAMPLES = 60000
 
 
-def _Input(split: str, batch_size: int, image_size: int = 28,
+def _input(split: str, batch_size: int, image_size: int = 28,
            augment: bool = False):
   return input_generator.FashionMnistInput.Params().Set(
       name=f'fashion_mnist_{split}', split=split, batch_size=batch_size,
@@ -43,10 +43,10 @@ class AmoebaNetGPipe(base_model.SingleTaskModelParams):
   MAX_STEPS = 800  # 1.7 epochs; ~8 minutes at ~200 examples/s here.
 
   def Train(self):
-    return _Input('train', self.BATCH_SIZE)
+    return _input('train', self.BATCH_SIZE)
 
   def Test(self):
-    return _Input('test', 1000)  # Eval runs unpipelined: any size works.
+    return _input('test', 1000)  # Eval runs unpipelined: any size works.
 
   def Task(self):
     p = model.ImageClassifierTask.Params().Set(name='fashion_mnist')
@@ -79,10 +79,10 @@ class AmoebaNetD18x256(base_model.SingleTaskModelParams):
   IMAGE_SIZE = 224
 
   def Train(self):
-    return _Input('train', self.BATCH_SIZE, self.IMAGE_SIZE, augment=True)
+    return _input('train', self.BATCH_SIZE, self.IMAGE_SIZE, augment=True)
 
   def Test(self):
-    return _Input('test', 256, self.IMAGE_SIZE)
+    return _input('test', 256, self.IMAGE_SIZE)
 
   def Task(self):
     p = model.ImageClassifierTask.Params().Set(name='fashion_mnist')

@@ -71,7 +71,7 @@ class _BibleTransformer(base_model.SingleTaskModelParams):
   def Task(self):
     p = model.TranslationTask.Params().Set(
         name='translator', max_decode_len=self.MAX_LEN)
-    layers = model.TransformerLayers(
+    layers = model.transformer_layers(
         vocab_size=self.VOCAB_SIZE, model_dim=self.MODEL_DIM,
         num_heads=self.NUM_HEADS, hidden_dim=self.HIDDEN_DIM,
         num_encoder_layers=self.NUM_ENCODER_LAYERS,
@@ -82,11 +82,11 @@ class _BibleTransformer(base_model.SingleTaskModelParams):
         name='transformer', layers=layers, num_stages=self.NUM_STAGES,
         num_micro_batches=self.NUM_MICRO_BATCHES, recompute=self.RECOMPUTE)
     if self.BUCKETS:  # Several shapes: costs at the longest bucket.
-      p.pipeline.costs = model.LayerCosts(layers, self.BUCKETS[-1][1],
-                                          self.BUCKETS[-1][0])
+      p.pipeline.costs = model.layer_costs(layers, self.BUCKETS[-1][1],
+                                           self.BUCKETS[-1][0])
     else:
-      p.pipeline.input_shapes = model.InputShapes(self.BATCH_SIZE,
-                                                  self.MAX_LEN)
+      p.pipeline.input_shapes = model.input_shapes(self.BATCH_SIZE,
+                                                   self.MAX_LEN)
     p.train.Set(
         optimizer='adam', adam_beta1=0.9, adam_beta2=0.98, epsilon=1e-9,
         learning_rate=self.LEARNING_RATE, lr_schedule='rsqrt',

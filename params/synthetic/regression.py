@@ -15,7 +15,7 @@ _OUTPUT_DIM = 4
 _BATCH_SIZE = 32
 
 
-def _Input(split: str, num_examples: int):
+def _input(split: str, num_examples: int):
   return input_generator.SyntheticRegressionInput.Params().Set(
       name=f'synthetic_{split}', split=split, num_examples=num_examples,
       batch_size=_BATCH_SIZE, input_dim=_INPUT_DIM, output_dim=_OUTPUT_DIM)
@@ -26,19 +26,19 @@ class MlpRegression(base_model.SingleTaskModelParams):
   """(FC-ReLU-BN)×2 then FC; 2 stages × 4 micro-batches; Adam, cosine."""
 
   def Train(self):
-    return _Input('train', 2048)
+    return _input('train', 2048)
 
   def Dev(self):
-    return _Input('dev', 200)  # Not a multiple of 32: a partial last batch.
+    return _input('dev', 200)  # Not a multiple of 32: a partial last batch.
 
   def Test(self):
-    return _Input('test', 500)
+    return _input('test', 500)
 
   def Task(self):
     p = model.RegressionTask.Params().Set(name='regression')
     p.pipeline.Set(
         name='mlp',
-        layers=model.MlpLayers(_INPUT_DIM, [32, 32], _OUTPUT_DIM),
+        layers=model.mlp_layers(_INPUT_DIM, [32, 32], _OUTPUT_DIM),
         num_stages=2,
         num_micro_batches=4,
         input_shapes=[[_BATCH_SIZE, _INPUT_DIM]])

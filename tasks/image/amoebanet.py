@@ -11,7 +11,7 @@ therefore passes a pair along:
     cell:   (x, prev)  → (cell(x, prev), x)   # x = h[i−1], prev = h[i−2]
     head:   (x, prev)  → logits                 # ReLU, mean, dropout, FC
 
-and `NetworkLayers(p)` returns [stem, (stem cells), cells..., head] for
+and `network_layers(p)` returns [stem, (stem cells), cells..., head] for
 `PipeliningLayer`, which may cut before any of them.
 
 A cell (TF's reference AmoebaNet-D, tensorflow/tpu models/official/
@@ -57,8 +57,8 @@ from lingvo_pipe.layers import dropout
 from lingvo_pipe.layers import linear
 from lingvo_pipe.layers import shape as shape_lib
 from tasks.image import amoebanet_ops
-from tasks.image.amoebanet_ops import BN_DOC, BatchNormTemplate, ChildMeta
-from tasks.image.amoebanet_ops import Rcb, Shared, SumMetas
+from tasks.image.amoebanet_ops import BN_DOC, batch_norm_template, child_meta
+from tasks.image.amoebanet_ops import rcb, shared, sum_metas
 
 LayerError = base_layer.LayerError
 LayerMeta = base_layer.LayerMeta
@@ -96,7 +96,7 @@ class AmoebaCellLayer(base_layer.BaseLayer):
              'per combination; state j ≥ 2 is the sum of pair j − 2.')
     p.Define('concat', list(AMOEBANET_D_NORMAL_CONCAT), 'States '
              'concatenated into the output.')
-    p.Define('bn', BatchNormTemplate(), BN_DOC)
+    p.Define('bn', batch_norm_template(), BN_DOC)
     return p
 
   @classmethod
@@ -127,14 +127,14 @@ class AmoebaCellLayer(base_layer.BaseLayer):
     """(base, prev adjustment or None, ops) child Params."""
     cls._Validate(p)
     f = p.filters
-    base = Rcb(p, 'base', (1, 1, p.input_dim, f))
+    base = rcb(p, 'base', (1, 1, p.input_dim, f))
     prev = None
     if p.prev_stride == 2:
-      prev = amoebanet_ops.FactorizedReduceLayer.Params().Set(**Shared(
+      prev = amoebanet_ops.FactorizedReduceLayer.Params().Set(**shared(
           p, 'prev', input_dim=p.prev_dim, output_dim=f, bn=p.bn.Copy()))
     elif p.prev_dim != f:
-      prev = Rcb(p, 'prev', (1, 1, p.prev_dim, f))
-    ops = [amoebanet_ops.CellOpLayer.Params().Set(**Shared(
+      prev = rcb(p, 'prev', (1, 1, p.prev_dim, f))
+    ops = [amoebanet_ops.CellOpLayer.Params().Set(**shared(
         p, f'op{i}', op=op, input_dim=f, filters=f, bn=p.bn.Copy(),
         stride=2 if p.reduction and state < 2 else 1))
            for i, (state, op) in enumerate(p.ops)]
@@ -169,9 +169,9 @@ class AmoebaCellLayer(base_layer.BaseLayer):
                 prev: tf.TensorShape) -> LayerMeta:
     base, prev_p, ops = cls._Plan(p)
     x, prev = tf.TensorShape(x), tf.TensorShape(prev)
-    metas = [ChildMeta(base.cls, base, x)]
-    metas.append(ChildMeta(prev_p.cls, prev_p, prev) if prev_p is not None else
-                 LayerMeta.Build(p, 0, (prev,), 0))
+    metas = [child_meta(base.cls, base, x)]
+    metas.append(child_meta(prev_p.cls, prev_p, prev) if prev_p is not None else
+                 LayerMeta.build(p, 0, (prev,), 0))
     states = [metas[0].out_shapes[0], metas[1].out_shapes[0]]
     if not states[0].is_compatible_with(states[1]):
       raise LayerError(
@@ -180,7 +180,7 @@ class AmoebaCellLayer(base_layer.BaseLayer):
           'input_dim, prev_dim and prev_stride.')
     adds = 0
     for j in range(len(ops) // 2):
-      pair = [ChildMeta(o.cls, o, states[p.ops[2 * j + k][0]])
+      pair = [child_meta(o.cls, o, states[p.ops[2 * j + k][0]])
               for k, o in enumerate(ops[2 * j:2 * j + 2])]
       if pair[0].out_shapes[0] != pair[1].out_shapes[0]:
         raise LayerError(f'{p.name}: ops {2 * j} and {2 * j + 1} give '
@@ -188,15 +188,15 @@ class AmoebaCellLayer(base_layer.BaseLayer):
                          '; the sum needs equal shapes.')
       metas += pair
       states.append(pair[0].out_shapes[0])
-      adds += shape_lib.NumElements(states[-1])
+      adds += shape_lib.num_elements(states[-1])
     out = states[p.concat[0]][:-1].concatenate([len(p.concat) * p.filters])
-    total = SumMetas(metas)
+    total = sum_metas(metas)
     dtype = p.fprop_dtype or p.dtype
     return LayerMeta(
         flops=total.flops + adds, out_shapes=(out, x),
         param_bytes=total.param_bytes,
         out_bytes=total.out_bytes - metas[1].out_bytes * int(prev_p is None) +
-        (adds + shape_lib.NumElements(out)) * dtype.size)
+        (adds + shape_lib.num_elements(out)) * dtype.size)
 
 
 # ---- Stem and head ----------------------------------------------------------
@@ -209,12 +209,12 @@ class StemLayer(base_layer.BaseLayer):
     p.Define('input_dim', 1, 'Image channels.')
     p.Define('filters', 32, 'Output depth.')
     p.Define('stride', 1, '1 for small images, 2 for ImageNet-sized ones.')
-    p.Define('bn', BatchNormTemplate(), BN_DOC)
+    p.Define('bn', batch_norm_template(), BN_DOC)
     return p
 
   @classmethod
   def _Plan(cls, p: Params) -> Params:
-    return Rcb(p, 'conv', (3, 3, p.input_dim, p.filters),
+    return rcb(p, 'conv', (3, 3, p.input_dim, p.filters),
                (p.stride, p.stride), relu_first=False)
 
   def __init__(self, params: InstantiableParams) -> None:
@@ -229,7 +229,7 @@ class StemLayer(base_layer.BaseLayer):
   @classmethod
   def FPropMeta(cls, p: Params, images: tf.TensorShape) -> LayerMeta:
     sub = cls._Plan(p).Set(name=f'{p.name}.conv')
-    meta = ChildMeta(amoebanet_ops.ReluConvBnLayer, sub, images)
+    meta = child_meta(amoebanet_ops.ReluConvBnLayer, sub, images)
     return dataclasses.replace(meta, out_shapes=meta.out_shapes * 2)
 
 
@@ -250,7 +250,7 @@ class HeadLayer(base_layer.BaseLayer):
     if not 0 <= p.dropout_rate < 1:
       raise LayerError(f'{p.name}: dropout_rate must be in [0, 1), got '
                        f'{p.dropout_rate}.')
-    return linear.FCLayer.Params().Set(**Shared(
+    return linear.FCLayer.Params().Set(**shared(
         p, 'logits', input_dim=p.input_dim, output_dim=p.num_classes))
 
   def __init__(self, params: InstantiableParams) -> None:
@@ -262,8 +262,8 @@ class HeadLayer(base_layer.BaseLayer):
     del prev  # Only the last cell's output is classified.
     x = tf.nn.relu(tf.cast(x, self.fprop_dtype))
     pooled = tf.reduce_mean(x, axis=[1, 2])  # [B, C]
-    pooled = dropout.ApplyDropout(pooled, self.params.dropout_rate,
-                                  f'{self.path}/dropout')
+    pooled = dropout.apply_dropout(pooled, self.params.dropout_rate,
+                                   f'{self.path}/dropout')
     return self.children.logits.FProp(theta.logits, pooled)
 
   @classmethod
@@ -274,9 +274,9 @@ class HeadLayer(base_layer.BaseLayer):
     if x.rank != 4:
       raise LayerError(f'{p.name}: expects NHWC features, got {x}.')
     pooled = tf.TensorShape([x[0], x[3]])
-    fc = ChildMeta(linear.FCLayer, cls._Plan(p).Set(name=f'{p.name}.logits'),
+    fc = child_meta(linear.FCLayer, cls._Plan(p).Set(name=f'{p.name}.logits'),
                pooled)
-    flops = 2 * shape_lib.NumElements(x) + shape_lib.NumElements(pooled) * (
+    flops = 2 * shape_lib.num_elements(x) + shape_lib.num_elements(pooled) * (
         int(p.dropout_rate > 0))
     return dataclasses.replace(fc, flops=fc.flops + flops)
 
@@ -286,7 +286,7 @@ class AmoebaNetError(ValueError):
   """Network Params that cannot make an AmoebaNet; names the key and fix."""
 
 
-def AmoebaNetParams() -> Params:
+def amoebanet_params() -> Params:
   """Describes AmoebaNet-D(L, D) on one image size (`task.network`)."""
   p = Params()
   p.Define('num_cells', 6, 'L: normal cells in total, L/3 per resolution.')
@@ -302,7 +302,7 @@ def AmoebaNetParams() -> Params:
   p.Define('image_shape', (28, 28, 1), 'Input (height, width, channels).')
   p.Define('num_classes', 10, 'Classes of the classifier.')
   p.Define('dropout_rate', 0.0, 'Dropout before the classifier.')
-  p.Define('batch_norm', BatchNormTemplate(), 'Every BatchNorm of the '
+  p.Define('batch_norm', batch_norm_template(), 'Every BatchNorm of the '
            'network: decay, epsilon, stats_dtype (dim is set per use).')
   p.Define('normal_ops', list(AMOEBANET_D_NORMAL), 'Normal cell genotype: '
            '(input state, op) pairs.')
@@ -315,13 +315,13 @@ def AmoebaNetParams() -> Params:
   return p
 
 
-def ReductionIndices(num_cells: int, num_reductions: int) -> list[int]:
+def reduction_indices(num_cells: int, num_reductions: int) -> list[int]:
   """Normal-cell indices that a reduction cell precedes (the reference's)."""
   return [int(k / (num_reductions + 1) * num_cells)
           for k in range(1, num_reductions + 1)]
 
 
-def _Check(p: Params) -> int:
+def _check(p: Params) -> int:
   """Validates `p`; returns D, the per-state filters of the first group."""
   n = p.num_stem_cells
   step = 2 ** max(n, 1)  # Stem cell i has D/2^(n−i) filters, and a cell
@@ -342,16 +342,16 @@ def _Check(p: Params) -> int:
   return p.filters
 
 
-def NetworkLayers(p: Params) -> list[InstantiableParams]:
+def network_layers(p: Params) -> list[InstantiableParams]:
   """[stem, stem cells..., cells..., head]: the pipeline's layer list."""
-  f = _Check(p)
+  f = _check(p)
   layers = [StemLayer.Params().Set(
       name='stem', input_dim=p.image_shape[2], filters=p.stem_filters,
       stride=p.stem_stride, bn=p.batch_norm.Copy())]
   # (depth, stride relative to the next cell's x) of x and prev.
   x_dim, prev_dim, prev_stride = p.stem_filters, p.stem_filters, 1
 
-  def _Add(name: str, filters: int, reduction: bool) -> None:
+  def _add(name: str, filters: int, reduction: bool) -> None:
     nonlocal x_dim, prev_dim, prev_stride
     ops = p.reduction_ops if reduction else p.normal_ops
     concat = p.reduction_concat if reduction else p.normal_concat
@@ -363,14 +363,14 @@ def NetworkLayers(p: Params) -> list[InstantiableParams]:
     prev_stride = 2 if reduction else 1
 
   for i in range(p.num_stem_cells):
-    _Add(f'stem_cell{i}', f // 2 ** (p.num_stem_cells - i), True)
-  reductions = ReductionIndices(p.num_cells, p.num_reduction_cells)
+    _add(f'stem_cell{i}', f // 2 ** (p.num_stem_cells - i), True)
+  reductions = reduction_indices(p.num_cells, p.num_reduction_cells)
   scale = 1
   for i in range(p.num_cells):
     if i in reductions:
       scale *= 2
-      _Add(f'reduction{reductions.index(i)}', f * scale, True)
-    _Add(f'cell{i}', f * scale, False)
+      _add(f'reduction{reductions.index(i)}', f * scale, True)
+    _add(f'cell{i}', f * scale, False)
   layers.append(HeadLayer.Params().Set(
       name='head', input_dim=x_dim, num_classes=p.num_classes,
       dropout_rate=p.dropout_rate))

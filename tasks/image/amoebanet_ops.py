@@ -46,7 +46,7 @@ OPS = ('none', 'conv_1x1', 'conv_3x3', 'conv_1x7_7x1', 'sep_3x3', 'sep_5x5',
        'sep_7x7', 'avg_pool_3x3', 'max_pool_3x3', 'max_pool_2x2')
 
 
-def Shared(p: Params, name: str, **kwargs: Any) -> dict[str, Any]:
+def shared(p: Params, name: str, **kwargs: Any) -> dict[str, Any]:
   """Keys a child inherits from its parent, plus `kwargs`."""
   return dict(name=name, dtype=p.dtype, fprop_dtype=p.fprop_dtype,
               params_init=p.params_init.Copy(), **kwargs)
@@ -56,22 +56,22 @@ BN_DOC = ('BatchNorm after each conv, as a template: decay, epsilon, '
           'stats_dtype (dim and name are set where it is used).')
 
 
-def BatchNormTemplate() -> InstantiableParams:
+def batch_norm_template() -> InstantiableParams:
   """The default `bn` template of AmoebaNet layers."""
   return normalization.BatchNormLayer.Params()
 
 
-def BatchNorm(p: Params, name: str, dim: int) -> Params:
+def batch_norm(p: Params, name: str, dim: int) -> Params:
   """Params of a BatchNorm over `dim` channels from layer `p`'s template."""
-  return p.bn.Copy().Set(**Shared(p, name, dim=dim))
+  return p.bn.Copy().Set(**shared(p, name, dim=dim))
 
 
-def SumMetas(metas: list[LayerMeta]) -> LayerMeta:
+def sum_metas(metas: list[LayerMeta]) -> LayerMeta:
   """Children run in order: flops, parameter and activation bytes add up."""
   return functools.reduce(lambda a, b: a + b, metas)
 
 
-def ChildMeta(cls: type, p: Params, *shapes: Any) -> LayerMeta:
+def child_meta(cls: type, p: Params, *shapes: Any) -> LayerMeta:
   """`cls.FPropMeta(p, *shapes)`, for a child built from `p`."""
   return cls.FPropMeta(p, *shapes)
 
@@ -89,17 +89,17 @@ class ReluConvBnLayer(base_layer.BaseLayer):
     p.Define('filter_stride', (1, 1), 'Stride (height, width).')
     p.Define('relu_first', True, 'ReLU the input first (every AmoebaNet '
              'conv but a pool\'s depth projection).')
-    p.Define('bn', BatchNormTemplate(), BN_DOC)
+    p.Define('bn', batch_norm_template(), BN_DOC)
     return p
 
   @classmethod
   def _SubParams(cls, p: Params) -> tuple[Params, Params]:
     conv_cls = conv.SeparableConv2DLayer if p.separable else conv.Conv2DLayer
-    conv_p = conv_cls.Params().Set(**Shared(
+    conv_p = conv_cls.Params().Set(**shared(
         p, f'{p.name}.conv', filter_shape=tuple(p.filter_shape),
         filter_stride=tuple(p.filter_stride), padding='SAME',
         has_bias=False))
-    bn_p = BatchNorm(p, f'{p.name}.bn', p.filter_shape[3])
+    bn_p = batch_norm(p, f'{p.name}.bn', p.filter_shape[3])
     return conv_p, bn_p
 
   def __init__(self, params: InstantiableParams) -> None:
@@ -118,17 +118,17 @@ class ReluConvBnLayer(base_layer.BaseLayer):
   @classmethod
   def FPropMeta(cls, p: Params, x: tf.TensorShape) -> LayerMeta:
     conv_p, bn_p = cls._SubParams(p)
-    conv_meta = ChildMeta(conv_p.cls, conv_p, x)
-    meta = conv_meta + ChildMeta(bn_p.cls, bn_p, *conv_meta.out_shapes)
-    relu = shape_lib.NumElements(x) * int(p.relu_first)
+    conv_meta = child_meta(conv_p.cls, conv_p, x)
+    meta = conv_meta + child_meta(bn_p.cls, bn_p, *conv_meta.out_shapes)
+    relu = shape_lib.num_elements(x) * int(p.relu_first)
     return dataclasses.replace(meta, flops=meta.flops + relu)
 
 
-def Rcb(p: Params, name: str, filter_shape: tuple[int, ...],
+def rcb(p: Params, name: str, filter_shape: tuple[int, ...],
         stride: tuple[int, int] = (1, 1), separable: bool = False,
         relu_first: bool = True) -> Params:
   """ReluConvBnLayer Params named `name`, inheriting `p`'s dtypes and bn."""
-  return ReluConvBnLayer.Params().Set(**Shared(
+  return ReluConvBnLayer.Params().Set(**shared(
       p, name, filter_shape=filter_shape, filter_stride=stride,
       separable=separable, relu_first=relu_first, bn=p.bn.Copy()))
 
@@ -146,7 +146,7 @@ class FactorizedReduceLayer(base_layer.BaseLayer):
     p = super().Params()
     p.Define('input_dim', 0, 'Input depth.')
     p.Define('output_dim', 0, 'Output depth (even: half from each grid).')
-    p.Define('bn', BatchNormTemplate(), BN_DOC)
+    p.Define('bn', batch_norm_template(), BN_DOC)
     return p
 
   @classmethod
@@ -156,10 +156,10 @@ class FactorizedReduceLayer(base_layer.BaseLayer):
                        f'from each pixel grid), got {p.output_dim}; use an '
                        'even filter count.')
     half = (1, 1, p.input_dim, p.output_dim // 2)
-    paths = [conv.Conv2DLayer.Params().Set(**Shared(
+    paths = [conv.Conv2DLayer.Params().Set(**shared(
         p, f'{p.name}.{name}', filter_shape=half, filter_stride=(2, 2),
         padding='VALID', has_bias=False)) for name in ('path1', 'path2')]
-    bn_p = BatchNorm(p, f'{p.name}.bn', p.output_dim)
+    bn_p = batch_norm(p, f'{p.name}.bn', p.output_dim)
     return paths[0], paths[1], bn_p
 
   def __init__(self, params: InstantiableParams) -> None:
@@ -180,12 +180,12 @@ class FactorizedReduceLayer(base_layer.BaseLayer):
   def FPropMeta(cls, p: Params, x: tf.TensorShape) -> LayerMeta:
     path1, path2, bn_p = cls._SubParams(p)
     x = tf.TensorShape(x)
-    a = ChildMeta(conv.Conv2DLayer, path1, x)
-    b = ChildMeta(conv.Conv2DLayer, path2, x)
+    a = child_meta(conv.Conv2DLayer, path1, x)
+    b = child_meta(conv.Conv2DLayer, path2, x)
     out = a.out_shapes[0][:-1].concatenate([p.output_dim])
-    meta = a + b + ChildMeta(bn_p.cls, bn_p, out)
+    meta = a + b + child_meta(bn_p.cls, bn_p, out)
     return dataclasses.replace(meta, flops=meta.flops +
-                               shape_lib.NumElements(x))
+                               shape_lib.num_elements(x))
 
 
 # ---- One op of a cell -------------------------------------------------------
@@ -199,7 +199,7 @@ class CellOpLayer(base_layer.BaseLayer):
     p.Define('input_dim', 0, 'Input depth.')
     p.Define('filters', 0, 'Output depth F.')
     p.Define('stride', 1, '1, or 2 in a reduction cell on states 0 and 1.')
-    p.Define('bn', BatchNormTemplate(), BN_DOC)
+    p.Define('bn', batch_norm_template(), BN_DOC)
     return p
 
   @classmethod
@@ -210,32 +210,32 @@ class CellOpLayer(base_layer.BaseLayer):
     cin, f, s = p.input_dim, p.filters, p.stride
     if p.op.endswith('pool_3x3') or p.op == 'max_pool_2x2':
       k = int(p.op[-1])
-      pool = pooling.PoolingLayer.Params().Set(**Shared(
+      pool = pooling.PoolingLayer.Params().Set(**shared(
           p, f'{p.name}.pool', pooling_type=p.op[:3].upper(),
           window_shape=(k, k), window_stride=(s, s), padding='SAME'))
-      steps = [] if cin == f else [Rcb(p, 'proj', (1, 1, cin, f),
+      steps = [] if cin == f else [rcb(p, 'proj', (1, 1, cin, f),
                                         relu_first=False)]
       return pool, steps
     if p.op == 'none':
       if s == 1 and cin == f:
         return None, []
-      return None, [Rcb(p, 'proj', (1, 1, cin, f), (s, s))]
+      return None, [rcb(p, 'proj', (1, 1, cin, f), (s, s))]
     if p.op == 'conv_1x1':
-      return None, [Rcb(p, 'conv', (1, 1, cin, f), (s, s))]
+      return None, [rcb(p, 'conv', (1, 1, cin, f), (s, s))]
     if p.op.startswith('sep_'):
       k = int(p.op[-1])
-      return None, [Rcb(p, 'sep1', (k, k, cin, f), (s, s), separable=True),
-                    Rcb(p, 'sep2', (k, k, f, f), separable=True)]
+      return None, [rcb(p, 'sep1', (k, k, cin, f), (s, s), separable=True),
+                    rcb(p, 'sep2', (k, k, f, f), separable=True)]
     mid = f // 4  # Bottleneck width, as in the reference.
     width = mid if mid >= 1 else f
-    pre = [Rcb(p, 'pre', (1, 1, cin, mid))] if mid >= 1 else []
+    pre = [rcb(p, 'pre', (1, 1, cin, mid))] if mid >= 1 else []
     first = mid if mid >= 1 else cin
     if p.op == 'conv_3x3':
-      core = [Rcb(p, 'conv3x3', (3, 3, first, width), (s, s))]
+      core = [rcb(p, 'conv3x3', (3, 3, first, width), (s, s))]
     else:  # conv_1x7_7x1
-      core = [Rcb(p, 'conv1x7', (1, 7, first, width), (1, s)),
-              Rcb(p, 'conv7x1', (7, 1, width, width), (s, 1))]
-    post = [Rcb(p, 'post', (1, 1, mid, f))] if mid >= 1 else []
+      core = [rcb(p, 'conv1x7', (1, 7, first, width), (1, s)),
+              rcb(p, 'conv7x1', (7, 1, width, width), (s, 1))]
+    post = [rcb(p, 'post', (1, 1, mid, f))] if mid >= 1 else []
     return None, pre + core + post
 
   def __init__(self, params: InstantiableParams) -> None:
@@ -257,10 +257,10 @@ class CellOpLayer(base_layer.BaseLayer):
   @classmethod
   def FPropMeta(cls, p: Params, x: tf.TensorShape) -> LayerMeta:
     pool, steps = cls._Plan(p)
-    metas = [LayerMeta.Build(p, 0, (tf.TensorShape(x),), 0)]  # Identity.
+    metas = [LayerMeta.build(p, 0, (tf.TensorShape(x),), 0)]  # Identity.
     for sub in ([pool] if pool is not None else []) + steps:
       sub = sub.Copy().Set(name=f'{p.name}.{sub.name}')
-      metas.append(ChildMeta(sub.cls, sub, *metas[-1].out_shapes))
-    total = SumMetas(metas)
+      metas.append(child_meta(sub.cls, sub, *metas[-1].out_shapes))
+    total = sum_metas(metas)
     return dataclasses.replace(total, out_bytes=total.out_bytes -
                                metas[0].out_bytes)

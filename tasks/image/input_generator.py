@@ -42,7 +42,7 @@ _CACHE: dict[tuple[str, str], dict[str, np.ndarray]] = {}
 _LOCK = threading.Lock()
 
 
-def LoadSplit(split: str) -> dict[str, np.ndarray]:
+def load_split(split: str) -> dict[str, np.ndarray]:
   """{'image': uint8 [N, 28, 28, 1], 'label': int32 [N]} of `split`, cached.
 
   Raises:
@@ -83,13 +83,13 @@ class FashionMnistInput(base_input_generator.InMemoryInputGenerator):
           f'{p.image_size!r}; set input.image_size (28 = as stored).')
 
   def LoadArrays(self) -> dict[str, np.ndarray]:
-    return LoadSplit(self.params.split)
+    return load_split(self.params.split)
 
   def Preprocess(self, batch: NestedMap, step: tf.Tensor | None) -> NestedMap:
     p = self.params
     image = tf.cast(batch.image, tf.float32) / 255.0  # [N, 28, 28, 1]
     if step is not None and p.augment:
-      image = _Augment(image, tf.stack([tf.constant(p.seed, tf.int64),
+      image = _augment(image, tf.stack([tf.constant(p.seed, tf.int64),
                                         tf.cast(step, tf.int64)]))
     if p.image_size != image.shape[1]:
       image = tf.image.resize(image, [p.image_size, p.image_size])
@@ -97,7 +97,7 @@ class FashionMnistInput(base_input_generator.InMemoryInputGenerator):
     return NestedMap(image=image, label=tf.cast(batch.label, tf.int32))
 
 
-def _Augment(image: tf.Tensor, seed: tf.Tensor) -> tf.Tensor:
+def _augment(image: tf.Tensor, seed: tf.Tensor) -> tf.Tensor:
   """Per-example random shift (pad 2, crop back) and horizontal flip.
 
   Args:

@@ -2,11 +2,11 @@
 accuracy.
 
 The network is described by `task.network` (AmoebaNet-D(L, D), see
-`amoebanet.AmoebaNetParams`) rather than by a literal layer list, so that a
+`amoebanet.amoebanet_params`) rather than by a literal layer list, so that a
 user can resize it from the command line (`task.network.num_cells: 18`) and
 the pipeline is re-cut accordingly. `task.pipeline` holds everything else
 about the pipeline (K, M, recompute, devices); its `layers` stay empty in
-the config and the task hands the pipeline `NetworkLayers(task.network)`.
+the config and the task hands the pipeline `network_layers(task.network)`.
 
 Loss: label-smoothed softmax cross-entropy (GPipe's AmoebaNet recipe uses
 ε = 0.1), the sum over examples / N as `base_model` requires. Metrics, each
@@ -35,8 +35,8 @@ class ImageClassifierTask(base_model.BaseTask):
   @classmethod
   def Params(cls) -> InstantiableParams:
     p = super().Params()
-    p.Define('network', amoebanet.AmoebaNetParams(), 'The AmoebaNet-D(L, D) '
-             'network; the pipeline runs NetworkLayers(network).')
+    p.Define('network', amoebanet.amoebanet_params(), 'The AmoebaNet-D(L, D) '
+             'network; the pipeline runs network_layers(network).')
     p.Define('pipeline', gpipe.PipeliningLayer.Params(), 'How the network '
              'is pipelined (num_stages, num_micro_batches, ...). Leave '
              'layers empty (they come from task.network); input_shapes None '
@@ -47,7 +47,7 @@ class ImageClassifierTask(base_model.BaseTask):
 
   def __init__(self, params: InstantiableParams) -> None:
     super().__init__(params)
-    self.CreateChild('pipeline', PipelineParams(self.params, self.path))
+    self.CreateChild('pipeline', pipeline_params(self.params, self.path))
 
   def ComputePredictions(self, theta: NestedMap,
                          batch: NestedMap) -> tf.Tensor:
@@ -58,16 +58,16 @@ class ImageClassifierTask(base_model.BaseTask):
                   batch: NestedMap) -> base_model.Metrics:
     del theta
     labels = tf.cast(batch.label, tf.int32)
-    loss, num = softmax.MeanSoftmaxCrossEntropy(
+    loss, num = softmax.mean_softmax_cross_entropy(
         predictions, labels, label_smoothing=self.params.label_smoothing)
-    accuracy = tf.reduce_mean(_Correct(predictions, labels))
+    accuracy = tf.reduce_mean(_correct(predictions, labels))
     return {'loss': (loss, num), 'accuracy': (accuracy, num),
             'top1_error': (1.0 - accuracy, num)}
 
   def EvalStep(self, theta: NestedMap, batch: NestedMap) -> NestedMap:
     logits = self.ComputePredictions(theta, batch)
     out = NestedMap(self.ComputeLoss(theta, logits, batch))
-    correct = _Correct(logits, tf.cast(batch.label, tf.int32))
+    correct = _correct(logits, tf.cast(batch.label, tf.int32))
     out.num_correct = tf.reduce_sum(tf.cast(correct, tf.int64))
     out.num_examples = tf.size(correct, out_type=tf.int64)
     return out
@@ -85,13 +85,13 @@ class ImageClassifierTask(base_model.BaseTask):
             'pipeline/bubble_fraction': pipeline.report.bubble_fraction(m)}
 
 
-def _Correct(logits: tf.Tensor, labels: tf.Tensor) -> tf.Tensor:
+def _correct(logits: tf.Tensor, labels: tf.Tensor) -> tf.Tensor:
   """float32 [N]: 1 where the top-scoring class is the label."""
   predicted = tf.argmax(logits, axis=-1, output_type=tf.int32)
   return tf.cast(tf.equal(predicted, labels), tf.float32)
 
 
-def PipelineParams(p: Params, where: str) -> InstantiableParams:
+def pipeline_params(p: Params, where: str) -> InstantiableParams:
   """`p.pipeline` with the AmoebaNet layer list and input shapes filled in.
 
   Raises:
@@ -106,7 +106,7 @@ def PipelineParams(p: Params, where: str) -> InstantiableParams:
         f'{where}: task.pipeline.layers is set ({len(pipeline.layers)} '
         'layers) but this task builds them from task.network; leave it empty '
         'and change task.network (num_cells, filters, ...).')
-  pipeline.layers = amoebanet.NetworkLayers(net)
+  pipeline.layers = amoebanet.network_layers(net)
   if pipeline.input_shapes is None:
     pipeline.input_shapes = [[None] + want]
   shapes = pipeline.input_shapes

@@ -6,10 +6,10 @@ position at a time with their `ExtendStep` caches (O(T_max) per token, not
 O(t²)). `PipelineDecoder` therefore walks the same layers outside the
 pipeline, each under its stage's device (that is where its variables live):
 
-    memory = Encode(src)                         # embedding, encoder, once
+    memory = encode(src)                         # embedding, encoder, once
     state  = per decoder layer: self-attention cache [B, T_max, N, H]
     for t in 0..T_max-1:                         # one tf.while_loop
-      log_probs, state = Step(prev_ids, t, state)
+      log_probs, state = step(prev_ids, t, state)
       prev_ids = pick(log_probs)                 # argmax, or beam pruning
 
 The searches only see `step_fn(ids_t [B], t, state) -> (log_probs [B, V],
@@ -46,9 +46,9 @@ class PipelineDecoder:
   """Runs a PipeliningLayer of `tasks.mt.layers` token by token.
 
   >>> dec = PipelineDecoder(task.children.pipeline)
-  >>> memory = dec.Encode(theta.pipeline, src_ids, src_paddings)
-  >>> step_fn, state = dec.StepFn(theta.pipeline, memory, src_paddings, 64)
-  >>> ids = GreedySearch(step_fn, state, batch_size, 64)
+  >>> memory = dec.encode(theta.pipeline, src_ids, src_paddings)
+  >>> step_fn, state = dec.step_fn(theta.pipeline, memory, src_paddings, 64)
+  >>> ids = greedy_search(step_fn, state, batch_size, 64)
   """
 
   def __init__(self, pipeline: Any) -> None:
@@ -60,7 +60,7 @@ class PipelineDecoder:
           f'{where}: decoding needs layers[0] to be a SourceTargetEmbedding '
           f'and the last a DecoderSoftmax, got {type(layers[0]).__name__} '
           f'and {type(layers[-1]).__name__}; build the list with '
-          'tasks.mt.model.TransformerLayers.')
+          'tasks.mt.model.transformer_layers.')
     self._layers = layers
     self._encoders = [i for i, l in enumerate(layers)
                       if isinstance(l, (mt_layers.EncoderLayer,
@@ -71,12 +71,12 @@ class PipelineDecoder:
                               max(self._encoders) > min(self._decoders)):
       raise DecodeError(f'{where}: expected encoder layers, then at least '
                         'one DecoderLayer; build the list with '
-                        'tasks.mt.model.TransformerLayers.')
+                        'tasks.mt.model.transformer_layers.')
     bounds, devices = pipeline.boundaries, pipeline.devices
     self._device = [devices[k] for k in range(len(devices))
                     for _ in range(bounds[k], bounds[k + 1])]
 
-  def Encode(self, theta: NestedMap, src_ids: tf.Tensor,
+  def encode(self, theta: NestedMap, src_ids: tf.Tensor,
              src_paddings: tf.Tensor) -> tf.Tensor:
     """Source ids [B, S] → memory [B, S, D], layer by layer on its device."""
     with tf.device(self._device[0]):
@@ -87,9 +87,9 @@ class PipelineDecoder:
         x = self._layers[i].Encode(theta.layers[i], x, paddings)
     return x
 
-  def StepFn(self, theta: NestedMap, memory: tf.Tensor,
-             memory_paddings: tf.Tensor,
-             max_len: int) -> tuple[StepFn, list[NestedMap]]:
+  def step_fn(self, theta: NestedMap, memory: tf.Tensor,
+              memory_paddings: tf.Tensor,
+              max_len: int) -> tuple[StepFn, list[NestedMap]]:
     """The search's step function and its initial state.
 
     Args:
@@ -112,7 +112,7 @@ class PipelineDecoder:
       static.append(cache.memory)
       state.append(cache.self_atten)
 
-    def Step(ids_t: tf.Tensor, t: tf.Tensor,
+    def step(ids_t: tf.Tensor, t: tf.Tensor,
              state: list[NestedMap]) -> tuple[tf.Tensor, list[NestedMap]]:
       with tf.device(self._device[0]):
         x = self._layers[0].EmbedTarget(theta.layers[0], ids_t[:, None], t)
@@ -128,12 +128,12 @@ class PipelineDecoder:
         log_probs = tf.nn.log_softmax(tf.cast(logits, tf.float32))
       return log_probs, new_state
 
-    return Step, state
+    return step, state
 
 
-def GreedySearch(step_fn: StepFn, state: Any, batch_size: Any, max_len: int,
-                 bos_id: int = vocab.BOS_ID, eos_id: int = vocab.EOS_ID,
-                 pad_id: int = vocab.PAD_ID) -> tf.Tensor:
+def greedy_search(step_fn: StepFn, state: Any, batch_size: Any, max_len: int,
+                  bos_id: int = vocab.BOS_ID, eos_id: int = vocab.EOS_ID,
+                  pad_id: int = vocab.PAD_ID) -> tf.Tensor:
   """The most likely token at every step, until EOS or max_len.
 
   Returns:
@@ -141,32 +141,32 @@ def GreedySearch(step_fn: StepFn, state: Any, batch_size: Any, max_len: int,
   """
   at = tf.range(max_len)[None, :]  # [1, T]
 
-  def Body(t, prev, done, ids, state):
+  def body(t, prev, done, ids, state):
     log_probs, state = step_fn(prev, t, state)
     tok = tf.argmax(log_probs, axis=-1, output_type=tf.int32)
     tok = tf.where(done, pad_id, tok)
     ids = tf.where(at == t, tok[:, None], ids)
     return t + 1, tok, done | tf.equal(tok, eos_id), ids, state
 
-  def Cond(t, prev, done, ids, state):
+  def cond(t, prev, done, ids, state):
     del prev, ids, state
     return tf.logical_and(t < max_len, tf.logical_not(tf.reduce_all(done)))
 
   loop_vars = (tf.constant(0), tf.fill([batch_size], bos_id),
                tf.zeros([batch_size], tf.bool),
                tf.fill([batch_size, max_len], pad_id), state)
-  return tf.while_loop(Cond, Body, loop_vars)[3]
+  return tf.while_loop(cond, body, loop_vars)[3]
 
 
-def LengthPenalty(length: Any, alpha: float) -> tf.Tensor:
+def gnmt_length_penalty(length: Any, alpha: float) -> tf.Tensor:
   """GNMT's lp(n) = ((5 + n) / 6)^α (1 for α = 0)."""
   return tf.pow((5.0 + tf.cast(length, tf.float32)) / 6.0, alpha)
 
 
-def BeamSearch(step_fn: StepFn, state: Any, batch_size: Any, beam_size: int,
-               max_len: int, length_penalty: float = 0.0,
-               bos_id: int = vocab.BOS_ID, eos_id: int = vocab.EOS_ID,
-               pad_id: int = vocab.PAD_ID) -> NestedMap:
+def beam_search(step_fn: StepFn, state: Any, batch_size: Any, beam_size: int,
+                max_len: int, length_penalty: float = 0.0,
+                bos_id: int = vocab.BOS_ID, eos_id: int = vocab.EOS_ID,
+                pad_id: int = vocab.PAD_ID) -> NestedMap:
   """Beam search (see the module docstring).
 
   Args:
@@ -190,9 +190,9 @@ def BeamSearch(step_fn: StepFn, state: Any, batch_size: Any, beam_size: int,
                       f'≥ 0, got {beam_size!r} and {length_penalty}.')
   at = tf.range(max_len)[None, None, :]  # [1, 1, T]
   rows = tf.range(batch_size)[:, None] * k  # [B, 1]
-  final_lp = LengthPenalty(max_len, length_penalty)
+  final_lp = gnmt_length_penalty(max_len, length_penalty)
 
-  def Body(t, prev, alive_seq, alive_logp, fin_seq, fin_score, state):
+  def body(t, prev, alive_seq, alive_logp, fin_seq, fin_score, state):
     log_probs, state = step_fn(prev, t, state)  # [B·K, V]
     v = tf.shape(log_probs)[-1]
     scores = alive_logp[:, :, None] + tf.reshape(log_probs,
@@ -211,12 +211,12 @@ def BeamSearch(step_fn: StepFn, state: Any, batch_size: Any, beam_size: int,
     # Finished: EOS among the K best extensions, by length-penalised score.
     in_top_k = tf.range(big)[None, :] < k
     ended = tf.where(is_eos & in_top_k,
-                     top / LengthPenalty(t + 1, length_penalty), _NEG)
+                     top / gnmt_length_penalty(t + 1, length_penalty), _NEG)
     fin_score, pick = tf.math.top_k(tf.concat([fin_score, ended], 1), k)
     fin_seq = tf.gather(tf.concat([fin_seq, seqs], 1), pick, batch_dims=1)
     return t + 1, prev, alive_seq, alive_logp, fin_seq, fin_score, state
 
-  def Cond(t, prev, alive_seq, alive_logp, fin_seq, fin_score, state):
+  def cond(t, prev, alive_seq, alive_logp, fin_seq, fin_score, state):
     del prev, alive_seq, fin_seq, state
     done = fin_score[:, 0] >= alive_logp[:, 0] / final_lp
     return tf.logical_and(t < max_len, tf.logical_not(tf.reduce_all(done)))
@@ -227,7 +227,7 @@ def BeamSearch(step_fn: StepFn, state: Any, batch_size: Any, beam_size: int,
                tf.tile(first[None], [batch_size, 1]),
                tf.fill([batch_size, k, max_len], pad_id),
                tf.fill([batch_size, k], _NEG), state)
-  out = tf.while_loop(Cond, Body, loop_vars)
+  out = tf.while_loop(cond, body, loop_vars)
   _, _, alive_seq, alive_logp, fin_seq, fin_score, _ = out
   has_finished = fin_score[:, 0] > _NEG / 2  # Else: best truncated beam.
   return NestedMap(

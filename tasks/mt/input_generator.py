@@ -13,7 +13,7 @@ the step → bucket → examples map stays a pure function of the step:
                    spread evenly (one cycle ≈ one epoch)
     bucket(s)    = cycle[s mod |cycle|]
     local step j = (s div |cycle|)·S_b + (# of b in cycle[:s mod |cycle|])
-    examples     = bucket b's examples at TrainIndices(j, N_b, E_b)
+    examples     = bucket b's examples at train_indices(j, N_b, E_b)
 
 Tokenisation runs
 once, at load time, with the joint SentencePiece model (`tasks.mt.vocab`);
@@ -54,9 +54,9 @@ from tasks.mt import vocab as vocab_lib
 SPLITS = ('train', 'dev', 'test')
 
 
-def EncodePairs(vocab: vocab_lib.Vocab, sources: Sequence[str],
-                targets: Sequence[str], max_len: int,
-                drop_long: bool) -> tuple[dict[str, np.ndarray], int]:
+def encode_pairs(vocab: vocab_lib.Vocab, sources: Sequence[str],
+                 targets: Sequence[str], max_len: int,
+                 drop_long: bool) -> tuple[dict[str, np.ndarray], int]:
   """Ids, shifted decoder inputs and paddings of text pairs.
 
   Args:
@@ -158,8 +158,8 @@ class BibleTranslationInput(base_input_generator.InMemoryInputGenerator):
     p = self.params
     vocab = vocab_lib.Vocab(p.vocab_path or None)
     sources, targets = self._Texts()
-    arrays, num_long = EncodePairs(vocab, sources, targets, p.max_len,
-                                   drop_long=self.is_training)
+    arrays, num_long = encode_pairs(vocab, sources, targets, p.max_len,
+                                    drop_long=self.is_training)
     keep = arrays.pop('keep')
     arrays['tgt_text'] = np.array([targets[i] for i in keep], dtype=object)
     if self.is_training:
@@ -182,7 +182,7 @@ class BibleTranslationInput(base_input_generator.InMemoryInputGenerator):
       return super().TrainDataset(start_step)
     buckets = self._Buckets()
     steps = [len(idx) // n for _, n, idx in buckets]
-    cycle = BucketCycle(steps)
+    cycle = bucket_cycle(steps)
     before = np.stack([np.cumsum(cycle == b) - (cycle == b)
                        for b in range(len(buckets))])  # [buckets, |cycle|]
     cycle_t, before_t = tf.constant(cycle), tf.constant(before, tf.int64)
@@ -190,7 +190,7 @@ class BibleTranslationInput(base_input_generator.InMemoryInputGenerator):
     gathers = [self._BucketGather(b, *bucket) for b, bucket in
                enumerate(buckets)]
 
-    def Batch(step: tf.Tensor) -> NestedMap:
+    def batch(step: tf.Tensor) -> NestedMap:
       pos = step % len(cycle)
       b = cycle_t[pos]
       local = (step // len(cycle)) * steps_t[b] + before_t[b, pos]
@@ -199,7 +199,7 @@ class BibleTranslationInput(base_input_generator.InMemoryInputGenerator):
                              step)
 
     ds = tf.data.Dataset.counter(start=int(start_step), dtype=tf.int64)
-    ds = ds.map(Batch, num_parallel_calls=tf.data.AUTOTUNE,
+    ds = ds.map(batch, num_parallel_calls=tf.data.AUTOTUNE,
                 deterministic=True)
     return ds.prefetch(tf.data.AUTOTUNE)
 
@@ -229,14 +229,14 @@ class BibleTranslationInput(base_input_generator.InMemoryInputGenerator):
       tensors = {k: tf.constant(v) for k, v in arrays.items()}
     seed = int(self.params.seed) + 7919 * b
 
-    def Gather(local_step: tf.Tensor) -> NestedMap:
-      rows = base_input_generator.TrainIndices(local_step, n, len(idx), seed)
+    def gather(local_step: tf.Tensor) -> NestedMap:
+      rows = base_input_generator.train_indices(local_step, n, len(idx), seed)
       return NestedMap({k: tf.gather(v, rows) for k, v in tensors.items()})
 
-    return Gather
+    return gather
 
 
-def BucketCycle(steps_per_epoch: Sequence[int]) -> np.ndarray:
+def bucket_cycle(steps_per_epoch: Sequence[int]) -> np.ndarray:
   """Bucket ids, b appearing steps_per_epoch[b] times, spread evenly."""
   keys = sorted(((i + 0.5) / c, b) for b, c in enumerate(steps_per_epoch)
                 for i in range(c))

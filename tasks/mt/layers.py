@@ -47,16 +47,16 @@ LayerMeta = base_layer.LayerMeta
 Shape = tf.TensorShape
 
 
-def _NumParams(p: Params, metas: list[LayerMeta]) -> int:
+def _num_params(p: Params, metas: list[LayerMeta]) -> int:
   return sum(m.param_bytes for m in metas) // p.dtype.size
 
 
-def _Meta(p: Params, metas: list[LayerMeta], extra_flops: int,
+def _meta(p: Params, metas: list[LayerMeta], extra_flops: int,
           out_shapes: tuple[Any, ...]) -> LayerMeta:
   """One LayerMeta summing `metas`, with this layer's own output shapes."""
-  return LayerMeta.Build(p, flops=sum(m.flops for m in metas) + extra_flops,
+  return LayerMeta.build(p, flops=sum(m.flops for m in metas) + extra_flops,
                          out_shapes=out_shapes,
-                         num_params=_NumParams(p, metas))
+                         num_params=_num_params(p, metas))
 
 
 class SourceTargetEmbedding(base_layer.BaseLayer):
@@ -105,8 +105,8 @@ class SourceTargetEmbedding(base_layer.BaseLayer):
     ids = tf.cast(ids, tf.int32)
     x = self.children[table].FProp(theta[table], ids)
     x = self.children.pos.FProp(theta.pos, x, position_offset)
-    return dropout.ApplyDropout(x, self.params.dropout_prob,
-                                f'{self.path}/{seed_key}')
+    return dropout.apply_dropout(x, self.params.dropout_prob,
+                                 f'{self.path}/{seed_key}')
 
   def EmbedSource(self, theta: NestedMap, ids: tf.Tensor) -> tf.Tensor:
     """Source ids [B, S] → [B, S, D]."""
@@ -141,9 +141,9 @@ class SourceTargetEmbedding(base_layer.BaseLayer):
       outs.append(y.out_shapes[0])
       flops += x.flops + y.flops
       if p.dropout_prob > 0:
-        flops += shape_lib.NumElements(y.out_shapes[0])
+        flops += shape_lib.num_elements(y.out_shapes[0])
     num_tables = 1 if p.share_embedding else 2
-    return LayerMeta.Build(
+    return LayerMeta.build(
         p, flops=flops, num_params=num_tables * p.vocab_size * p.model_dim,
         out_shapes=(outs[0], Shape(src_paddings), outs[1],
                     Shape(tgt_paddings)))
@@ -166,7 +166,7 @@ class EncoderLayer(transformer.TransformerEncoderLayer):
   def FPropMeta(cls, p: Params, src_x: Shape, src_paddings: Shape,
                 tgt_x: Shape, tgt_paddings: Shape) -> LayerMeta:
     meta = super().FPropMeta(p, src_x, src_paddings)
-    return _Meta(p, [meta], 0, (Shape(src_x), Shape(src_paddings),
+    return _meta(p, [meta], 0, (Shape(src_x), Shape(src_paddings),
                                 Shape(tgt_x), Shape(tgt_paddings)))
 
 
@@ -187,7 +187,7 @@ class EncoderFinalNorm(normalization.LayerNormLayer):
   def FPropMeta(cls, p: Params, src_x: Shape, src_paddings: Shape,
                 tgt_x: Shape, tgt_paddings: Shape) -> LayerMeta:
     meta = super().FPropMeta(p, src_x)
-    return _Meta(p, [meta], 0, (Shape(src_x), Shape(src_paddings),
+    return _meta(p, [meta], 0, (Shape(src_x), Shape(src_paddings),
                                 Shape(tgt_x), Shape(tgt_paddings)))
 
 
@@ -207,7 +207,7 @@ class DecoderLayer(transformer.TransformerDecoderLayer):
   def FPropMeta(cls, p: Params, src_x: Shape, src_paddings: Shape,
                 tgt_x: Shape, tgt_paddings: Shape) -> LayerMeta:
     meta = super().FPropMeta(p, tgt_x, tgt_paddings, src_x, src_paddings)
-    return _Meta(p, [meta], 0, (Shape(src_x), Shape(src_paddings),
+    return _meta(p, [meta], 0, (Shape(src_x), Shape(src_paddings),
                                 Shape(tgt_x), Shape(tgt_paddings)))
 
 
@@ -264,4 +264,4 @@ class DecoderSoftmax(base_layer.BaseLayer):
       child.name = f'{p.name or cls.__name__}.{name}'
       metas.append(child.cls.FPropMeta(child, x))
       x = metas[-1].out_shapes[0]
-    return _Meta(p, metas, 0, (x,))
+    return _meta(p, metas, 0, (x,))

@@ -35,15 +35,15 @@ from tasks.mt import layers as mt_layers
 from tasks.mt import vocab as vocab_lib
 
 
-def TransformerLayers(vocab_size: int, model_dim: int, num_heads: int,
-                      hidden_dim: int, num_encoder_layers: int,
-                      num_decoder_layers: int, dropout_prob: float = 0.1,
-                      atten_dropout_prob: float = 0.0,
-                      ffn_init_scale: float = 1.0,
-                      logits_abs_max: float = 0.0,
-                      pre_layer_norm: bool = True,
-                      fprop_dtype: tf.DType | None = None
-                     ) -> list[InstantiableParams]:
+def transformer_layers(vocab_size: int, model_dim: int, num_heads: int,
+                       hidden_dim: int, num_encoder_layers: int,
+                       num_decoder_layers: int, dropout_prob: float = 0.1,
+                       atten_dropout_prob: float = 0.0,
+                       ffn_init_scale: float = 1.0,
+                       logits_abs_max: float = 0.0,
+                       pre_layer_norm: bool = True,
+                       fprop_dtype: tf.DType | None = None
+                      ) -> list[InstantiableParams]:
   """The pipeline's layer list (see `tasks.mt.layers`), pre-LN by default.
 
   Post-LN stacks (`pre_layer_norm=False`) normalise after every residual
@@ -75,24 +75,24 @@ def TransformerLayers(vocab_size: int, model_dim: int, num_heads: int,
   return out
 
 
-def InputShapes(batch_size: int, max_len: int) -> list[list[int]]:
+def input_shapes(batch_size: int, max_len: int) -> list[list[int]]:
   """`input_shapes` of the pipeline: src ids/paddings, tgt ids/paddings."""
   return [[batch_size, max_len]] * 4
 
 
-def LayerCosts(layers: list[InstantiableParams], batch_size: int,
-               max_len: int) -> list[float]:
+def layer_costs(layers: list[InstantiableParams], batch_size: int,
+                max_len: int) -> list[float]:
   """FPropMeta flops of each layer at [batch_size, max_len].
 
   The pipeline's `costs` when batches come in several shapes (length
   buckets): `input_shapes` must then stay None (the pipeline would check
   every batch against one shape), so the partition needs costs given.
   """
-  metas = gpipe.LayerMetas(layers, InputShapes(batch_size, max_len))
+  metas = gpipe.layer_metas(layers, input_shapes(batch_size, max_len))
   return [float(m.flops) for m in metas]
 
 
-def PipelineInputs(batch: NestedMap) -> tuple[tf.Tensor, ...]:
+def pipeline_inputs(batch: NestedMap) -> tuple[tf.Tensor, ...]:
   """(src_ids int32, src_paddings, tgt_ids int32, tgt_paddings float32)."""
   return (tf.cast(batch.src_ids, tf.int32),
           tf.cast(batch.src_paddings, tf.float32),
@@ -107,7 +107,7 @@ class TranslationTask(base_model.BaseTask):
   def Params(cls) -> InstantiableParams:
     p = super().Params()
     p.Define('pipeline', gpipe.PipeliningLayer.Params(), 'The network: a '
-             'PipeliningLayer over TransformerLayers(...).')
+             'PipeliningLayer over transformer_layers(...).')
     p.Define('label_smoothing', 0.1, 'ε of the training loss (the '
              'Transformer\'s 0.1); log_pplx is reported without it.')
     p.Define('beam_size', 1, 'Decoding in eval: 1 = greedy, K > 1 = beam '
@@ -136,7 +136,7 @@ class TranslationTask(base_model.BaseTask):
                          batch: NestedMap) -> tf.Tensor:
     """Logits [B, T, V] of the teacher-forced decoder."""
     return self.children.pipeline.FProp(theta.pipeline,
-                                        *PipelineInputs(batch))
+                                        *pipeline_inputs(batch))
 
   def ComputeLoss(self, theta: NestedMap, predictions: tf.Tensor,
                   batch: NestedMap) -> base_model.Metrics:
@@ -144,10 +144,10 @@ class TranslationTask(base_model.BaseTask):
     del theta
     weights = 1.0 - tf.cast(batch.tgt_paddings, tf.float32)
     labels = batch.tgt_labels
-    loss, num_tokens = softmax.MeanSoftmaxCrossEntropy(
+    loss, num_tokens = softmax.mean_softmax_cross_entropy(
         predictions, labels, weights, self.params.label_smoothing)
-    log_pplx, _ = softmax.MeanSoftmaxCrossEntropy(predictions, labels,
-                                                  weights)
+    log_pplx, _ = softmax.mean_softmax_cross_entropy(predictions, labels,
+                                                     weights)
     hits = tf.cast(tf.equal(tf.argmax(predictions, -1, output_type=tf.int32),
                             tf.cast(labels, tf.int32)), tf.float32)
     accuracy = tf.math.divide_no_nan(tf.reduce_sum(hits * weights),
@@ -163,16 +163,16 @@ class TranslationTask(base_model.BaseTask):
     p = self.params
     k, max_len = p.beam_size, p.max_decode_len
     batch_size = tf.shape(src_ids)[0]
-    memory = self._decoder.Encode(theta.pipeline, src_ids, src_paddings)
+    memory = self._decoder.encode(theta.pipeline, src_ids, src_paddings)
     if k > 1:  # Row b·K + j is beam j of sentence b.
       memory = tf.repeat(memory, k, axis=0)
       src_paddings = tf.repeat(src_paddings, k, axis=0)
-    step_fn, state = self._decoder.StepFn(theta.pipeline, memory,
-                                          src_paddings, max_len)
+    step_fn, state = self._decoder.step_fn(theta.pipeline, memory,
+                                           src_paddings, max_len)
     if k == 1:
-      return decoder.GreedySearch(step_fn, state, batch_size, max_len)
-    return decoder.BeamSearch(step_fn, state, batch_size, k, max_len,
-                              p.length_penalty).ids
+      return decoder.greedy_search(step_fn, state, batch_size, max_len)
+    return decoder.beam_search(step_fn, state, batch_size, k, max_len,
+                               p.length_penalty).ids
 
   def EvalStep(self, theta: NestedMap, batch: NestedMap) -> NestedMap:
     """Teacher-forced metrics plus `hyp_ids` [B, max_decode_len]."""

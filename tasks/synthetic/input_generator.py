@@ -18,8 +18,8 @@ from lingvo_pipe.core.nested_map import NestedMap
 SPLITS = ('train', 'dev', 'test')
 
 
-def MakeSplit(data_seed: int, split: str, num_examples: int, input_dim: int,
-              output_dim: int, noise_stddev: float) -> dict[str, np.ndarray]:
+def make_split(data_seed: int, split: str, num_examples: int, input_dim: int,
+               output_dim: int, noise_stddev: float) -> dict[str, np.ndarray]:
   """Features x [n, input_dim] and targets y [n, output_dim] of one split."""
   w = np.random.default_rng([data_seed, 0]).normal(
       size=(input_dim, output_dim)) / np.sqrt(input_dim)
@@ -60,8 +60,8 @@ class SyntheticRegressionInput(base_input_generator.InMemoryInputGenerator):
     if p.npz_path:
       with np.load(p.npz_path) as data:  # FileNotFoundError if missing.
         return {'x': data['x'], 'y': data['y']}
-    return MakeSplit(p.data_seed, p.split, p.num_examples, p.input_dim,
-                     p.output_dim, p.noise_stddev)
+    return make_split(p.data_seed, p.split, p.num_examples, p.input_dim,
+                      p.output_dim, p.noise_stddev)
 
   def Preprocess(self, batch: NestedMap, step: tf.Tensor | None) -> NestedMap:
     nan_at = self.params.nan_at_step

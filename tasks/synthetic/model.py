@@ -19,8 +19,8 @@ from lingvo_pipe.layers import linear
 from lingvo_pipe.layers import normalization
 
 
-def MlpLayers(input_dim: int, hidden_dims: list[int],
-              output_dim: int) -> list[InstantiableParams]:
+def mlp_layers(input_dim: int, hidden_dims: list[int],
+               output_dim: int) -> list[InstantiableParams]:
   """FC+ReLU → BatchNorm per hidden layer, then a linear FC output."""
   layers = []
   dim = input_dim
@@ -46,7 +46,7 @@ class RegressionTask(base_model.BaseTask):
   def Params(cls) -> InstantiableParams:
     p = super().Params()
     p.Define('pipeline', gpipe.PipeliningLayer.Params(), 'The network: a '
-             'PipeliningLayer over MlpLayers(...), x → predictions.')
+             'PipeliningLayer over mlp_layers(...), x → predictions.')
     return p
 
   def __init__(self, params: InstantiableParams) -> None:

@@ -15,16 +15,16 @@ FAST = ('task.train.summary_interval_steps: 5; '
         'task.train.max_checkpoints_to_keep: 50')
 
 
-def Command(binary, *args):
+def command(binary, *args):
   return [PYTHON, '-m', f'lingvo_pipe.{binary}', *args]
 
 
-def Start(binary, *args):
-  return subprocess.Popen(Command(binary, *args), stdout=subprocess.PIPE,
+def start(binary, *args):
+  return subprocess.Popen(command(binary, *args), stdout=subprocess.PIPE,
                           stderr=subprocess.PIPE, text=True, env=_ENV)
 
 
-def Finish(proc, timeout=300):
+def finish(proc, timeout=300):
   """(returncode, stdout, stderr) of a started process."""
   try:
     out, err = proc.communicate(timeout=timeout)
@@ -35,31 +35,31 @@ def Finish(proc, timeout=300):
   return proc.returncode, out, err
 
 
-def Run(binary, *args, timeout=300):
-  return Finish(Start(binary, *args), timeout)
+def run(binary, *args, timeout=300):
+  return finish(start(binary, *args), timeout)
 
 
-def RunMany(commands, parallel=4, timeout=300):
+def run_many(commands, parallel=4, timeout=300):
   """Runs (binary, args) pairs, `parallel` at a time; results in order."""
   results, running, todo = {}, {}, list(enumerate(commands))
   deadline = time.monotonic() + timeout
   while todo or running:
     while todo and len(running) < parallel:
       i, (binary, args) = todo.pop(0)
-      running[i] = Start(binary, *args)
+      running[i] = start(binary, *args)
     for i, proc in list(running.items()):
       if proc.poll() is not None:
-        results[i] = Finish(proc)
+        results[i] = finish(proc)
         del running[i]
     if time.monotonic() > deadline:
       for proc in running.values():
         proc.kill()
-      raise AssertionError('RunMany timed out')
+      raise AssertionError('run_many timed out')
     time.sleep(0.05)
   return [results[i] for i in range(len(commands))]
 
 
-def Tree(path):
+def tree(path):
   """{relative path: (size, mtime_ns)} of every file under `path`."""
   out = {}
   for root, _, files in os.walk(path):
@@ -70,7 +70,7 @@ def Tree(path):
   return out
 
 
-def ReadCheckpoint(path):
+def read_checkpoint(path):
   """{variable name: value} of a checkpoint, read without building a model."""
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   reader = tf.train.load_checkpoint(path)
@@ -79,7 +79,7 @@ def ReadCheckpoint(path):
           if name != '_CHECKPOINTABLE_OBJECT_GRAPH'}
 
 
-def MaxRelativeDiff(a, b):
+def max_relative_diff(a, b):
   """max over variables of max|a−b| / max(max|a|, tiny)."""
   assert sorted(a) == sorted(b)
   worst = 0.0

@@ -59,15 +59,15 @@ def bad_runs(tmp_path_factory):
   for name, model in (('eval', br.MODEL), ('typo', _TYPO)):
     dirs[name] = tmp / name
     dirs[name].mkdir()
-    text = model_registry.GetParams(br.MODEL, 'Train').ToText()
+    text = model_registry.get_params(br.MODEL, 'Train').ToText()
     (dirs[name] / 'params.txt').write_text(
         text.replace(f"model : '{br.MODEL}'", f"model : '{model}'"))
-  before = {name: br.Tree(d) for name, d in dirs.items()}
+  before = {name: br.tree(d) for name, d in dirs.items()}
   runs = []
   for case, binary, args, _ in _CASES:
     fields = dict(fresh=tmp / case, file=file, **dirs)
     runs.append((binary, [a.format(**fields) for a in args]))
-  results = dict(zip([c[0] for c in _CASES], br.RunMany(runs)))
+  results = dict(zip([c[0] for c in _CASES], br.run_many(runs)))
   return results, tmp, dirs, before
 
 
@@ -84,4 +84,4 @@ def test_one_line_exit_2_nothing_written(bad_runs, case, binary, expected):
   assert expected in lines[0]
   assert not out
   assert not (tmp / case).exists()
-  assert {name: br.Tree(d) for name, d in dirs.items()} == before
+  assert {name: br.tree(d) for name, d in dirs.items()} == before

@@ -15,18 +15,18 @@ from lingvo_pipe.core import summaries
 from tasks.synthetic import input_generator
 
 
-def _Scores(score_dir):
+def _scores(score_dir):
   return {name: json.loads((score_dir / name).read_text())
           for name in sorted(os.listdir(score_dir)) if name.endswith('.json')}
 
 
-def _NumpyMetrics(ckpt, dataset):
+def _numpy_metrics(ckpt, dataset):
   """The model of params/synthetic/regression.py in float64 numpy."""
-  p = model_registry.GetParams(br.MODEL, dataset).input
-  data = input_generator.MakeSplit(p.data_seed, p.split, p.num_examples,
-                                   p.input_dim, p.output_dim, p.noise_stddev)
+  p = model_registry.get_params(br.MODEL, dataset).input
+  data = input_generator.make_split(p.data_seed, p.split, p.num_examples,
+                                    p.input_dim, p.output_dim, p.noise_stddev)
   v = {k.split('/.ATTRIBUTES')[0].replace('task/pipeline/', ''):
-       np.asarray(x, np.float64) for k, x in br.ReadCheckpoint(ckpt).items()}
+       np.asarray(x, np.float64) for k, x in br.read_checkpoint(ckpt).items()}
   h = data['x'].astype(np.float64)
   for fc, bn in (('layers_0', 'layers_1'), ('layers_2', 'layers_3')):
     h = np.maximum(h @ v[f'{fc}/w'] + v[f'{fc}/b'], 0.0)
@@ -52,7 +52,7 @@ def eval_runs(trained_logdir, tmp_path_factory):
                   '--eval_dataset=Test', f'--model={br.MODEL}')),
       ('evaler', (f'--logdir={copies["deleted"]}', '--mode=all')),
   ]
-  results = dict(zip(copies, br.RunMany(runs)))
+  results = dict(zip(copies, br.run_many(runs)))
   return results, copies
 
 
@@ -61,7 +61,7 @@ def test_all_scores_every_checkpoint_exactly_with_numpy(eval_runs):
   rc, _, err = results['all']
   assert rc == 0, err
   score_dir = copies['all'] / 'eval_dev'
-  scores = _Scores(score_dir)
+  scores = _scores(score_dir)
   assert sorted(scores) == ['ckpt-10.json', 'ckpt-20.json', 'ckpt-30.json']
   for name, record in scores.items():
     step = int(re.search(r'\d+', name).group())
@@ -69,27 +69,27 @@ def test_all_scores_every_checkpoint_exactly_with_numpy(eval_runs):
     assert record['num_examples'] == 200  # 6 batches of 32 and one of 8.
     assert record['checkpoint'] == str(copies['all'] / f'ckpt-{step}')
     assert {'eval_seconds', 'wall_time'} <= set(record)
-    want = _NumpyMetrics(record['checkpoint'], 'Dev')
+    want = _numpy_metrics(record['checkpoint'], 'Dev')
     for key, value in want.items():
       assert record['metrics'][key] == pytest.approx(value, rel=1e-5)
-  scalars = summaries.ReadScalars(str(score_dir))
+  scalars = summaries.read_scalars(str(score_dir))
   assert [s for s, _ in scalars['loss']] == [10, 20, 30]
 
 
 def test_second_run_scores_nothing_new(eval_runs):
   _, copies = eval_runs
-  before = br.Tree(copies['all'])
-  rc, _, err = br.Run('evaler', f'--logdir={copies["all"]}', '--mode=all')
+  before = br.tree(copies['all'])
+  rc, _, err = br.run('evaler', f'--logdir={copies["all"]}', '--mode=all')
   assert rc == 0, err
   assert 'Nothing new to score' in err
-  assert br.Tree(copies['all']) == before
+  assert br.tree(copies['all']) == before
 
 
 def test_latest_scores_only_the_newest_on_test(eval_runs):
   results, copies = eval_runs
   rc, _, err = results['latest']
   assert rc == 0, err
-  scores = _Scores(copies['latest'] / 'eval_test')
+  scores = _scores(copies['latest'] / 'eval_test')
   assert list(scores) == ['ckpt-30.json']
   assert scores['ckpt-30.json']['num_examples'] == 500
   assert not (copies['latest'] / 'eval_dev').exists()
@@ -100,28 +100,28 @@ def test_a_listed_checkpoint_deleted_before_reading_is_skipped(eval_runs):
   rc, _, err = results['deleted']
   assert rc == 0, err
   assert re.search(r'Skipping \S*ckpt-20: deleted', err)
-  assert sorted(_Scores(copies['deleted'] / 'eval_dev')) == [
+  assert sorted(_scores(copies['deleted'] / 'eval_dev')) == [
       'ckpt-10.json', 'ckpt-30.json']
 
 
 def test_continuous_beside_a_running_trainer_scores_each_once(tmp_path):
   logdir = tmp_path / 'logdir'
   # Started together: the evaler waits for the trainer's params.txt.
-  evaler = br.Start('evaler', f'--logdir={logdir}', '--mode=continuous',
+  evaler = br.start('evaler', f'--logdir={logdir}', '--mode=continuous',
                     '--poll_interval_secs=0.1', '--timeout_secs=280')
-  trainer = br.Start('trainer', f'--model={br.MODEL}', f'--logdir={logdir}',
+  trainer = br.start('trainer', f'--model={br.MODEL}', f'--logdir={logdir}',
                      '--max_steps=200', f'--model_params_override={br.FAST}; '
                      'task.train.save_interval_steps: 40')
-  rc, _, err = br.Finish(trainer)
+  rc, _, err = br.finish(trainer)
   assert rc == 0, err
-  rc, _, err = br.Finish(evaler)
+  rc, _, err = br.finish(evaler)
   assert rc == 0, err
   steps = [40, 80, 120, 160, 200]
-  assert [checkpoints.StepOf(c) for c in
-          checkpoints.ListCheckpoints(str(logdir))] == steps
+  assert [checkpoints.step_of(c) for c in
+          checkpoints.list_checkpoints(str(logdir))] == steps
   scored = re.findall(r'Scored \S*ckpt-(\d+) ', err)
   assert sorted(int(s) for s in scored) == steps  # Each exactly once.
-  assert sorted(_Scores(logdir / 'eval_dev')) == sorted(
+  assert sorted(_scores(logdir / 'eval_dev')) == sorted(
       f'ckpt-{s}.json' for s in steps)
-  loss = summaries.ReadScalars(str(logdir / 'eval_dev'))['loss']
+  loss = summaries.read_scalars(str(logdir / 'eval_dev'))['loss']
   assert sorted(s for s, _ in loss) == steps

@@ -20,9 +20,9 @@ _TAGS = {'loss', 'mean_abs_error', 'learning_rate', 'grad_global_norm',
 
 
 def test_logdir_holds_params_checkpoints_and_summaries(trained_logdir):
-  listed = checkpoints.ListCheckpoints(str(trained_logdir))
-  assert [checkpoints.StepOf(c) for c in listed] == [10, 20, 30]
-  values = br.ReadCheckpoint(listed[-1])
+  listed = checkpoints.list_checkpoints(str(trained_logdir))
+  assert [checkpoints.step_of(c) for c in listed] == [10, 20, 30]
+  values = br.read_checkpoint(listed[-1])
   assert values['step/.ATTRIBUTES/VARIABLE_VALUE'] == 30
   weights = [n for n in values if n.startswith('task/') and
              'moving' not in n]
@@ -32,14 +32,14 @@ def test_logdir_holds_params_checkpoints_and_summaries(trained_logdir):
   assert np.abs(values['task/pipeline/layers_1/moving_mean/.ATTRIBUTES/'
                        'VARIABLE_VALUE']).max() > 0
 
-  scalars = summaries.ReadScalars(str(trained_logdir / 'train'))
+  scalars = summaries.read_scalars(str(trained_logdir / 'train'))
   assert _TAGS <= set(scalars)
   assert [s for s, _ in scalars['loss']] == [5, 10, 15, 20, 25, 30]
-  train = model_registry.GetParams(br.MODEL, 'Train').task.train
+  train = model_registry.get_params(br.MODEL, 'Train').task.train
   train.max_steps = 30  # As the fixture's --max_steps.
   for step, value in scalars['learning_rate']:  # The rate of the last step.
     assert value == pytest.approx(
-        float(learning_rate.LearningRate(train, step - 1)), rel=1e-6)
+        float(learning_rate.learning_rate(train, step - 1)), rel=1e-6)
   losses = [v for _, v in scalars['loss']]
   assert losses[-1] < losses[0]
 
@@ -52,7 +52,7 @@ def side_runs(trained_logdir, tmp_path_factory):
   shutil.copytree(trained_logdir, forced)
   extended = tmp / 'extended'
   shutil.copytree(trained_logdir, extended)
-  before = br.Tree(trained_logdir)
+  before = br.tree(trained_logdir)
   common = (f'--model={br.MODEL}', '--max_steps=30',
             f'--model_params_override={br.FAST}; '
             'task.train.save_interval_steps: 10')
@@ -72,7 +72,7 @@ def side_runs(trained_logdir, tmp_path_factory):
                           'input.nan_at_step: 7; '
                           'task.train.save_interval_steps: 3')),
   }
-  results = dict(zip(runs, br.RunMany(list(runs.values()))))
+  results = dict(zip(runs, br.run_many(list(runs.values()))))
   return results, tmp, before
 
 
@@ -91,12 +91,12 @@ def test_params_mismatch_refuses_without_force(side_runs, trained_logdir):
   results, _, before = side_runs
   rc, _, err = results['refused']
   assert rc == 2
-  trained = model_registry.GetParams(br.MODEL, 'Train').task.train
+  trained = model_registry.get_params(br.MODEL, 'Train').task.train
   assert f'- task.train.learning_rate : {trained.learning_rate}' in err
   assert '+ task.train.learning_rate : 0.5' in err
   assert err.strip().splitlines()[-1].startswith('trainer: error:')
   assert '--force' in err and 'Traceback' not in err
-  assert br.Tree(trained_logdir) == before
+  assert br.tree(trained_logdir) == before
 
 
 def test_force_replaces_params(side_runs):
@@ -112,8 +112,8 @@ def test_larger_max_steps_continues_the_same_run(side_runs):
   results, tmp, _ = side_runs
   rc, _, err = results['extended']
   assert rc == 0, err
-  listed = checkpoints.ListCheckpoints(str(tmp / 'extended'))
-  assert checkpoints.StepOf(listed[-1]) == 35
+  listed = checkpoints.list_checkpoints(str(tmp / 'extended'))
+  assert checkpoints.step_of(listed[-1]) == 35
   assert 'task.train.max_steps : 35' in (
       tmp / 'extended' / 'params.txt').read_text()
 
@@ -125,17 +125,17 @@ def test_nan_stops_naming_the_step_and_keeps_the_last_good_checkpoint(
   assert rc == 1, err
   assert 'at step 7' in err and 'Non-finite loss' in err
   assert 'Traceback' not in err
-  listed = checkpoints.ListCheckpoints(str(tmp / 'nan'))
-  assert [checkpoints.StepOf(c) for c in listed] == [3, 6]
+  listed = checkpoints.list_checkpoints(str(tmp / 'nan'))
+  assert [checkpoints.step_of(c) for c in listed] == [3, 6]
   assert os.path.basename(listed[-1]) in err
-  for value in br.ReadCheckpoint(listed[-1]).values():
+  for value in br.read_checkpoint(listed[-1]).values():
     assert np.all(np.isfinite(value))
 
 
-def _WaitForCheckpoint(logdir, proc, timeout=240):
+def _wait_for_checkpoint(logdir, proc, timeout=240):
   deadline = time.monotonic() + timeout
   while time.monotonic() < deadline and proc.poll() is None:
-    if checkpoints.ListCheckpoints(str(logdir)):
+    if checkpoints.list_checkpoints(str(logdir)):
       return
     time.sleep(0.02)
   raise AssertionError(f'no checkpoint appeared (rc={proc.poll()})')
@@ -147,23 +147,23 @@ def test_sigkill_then_restart_reproduces_uninterrupted_weights(tmp_path):
           f'--model_params_override={br.FAST}; '
           'task.train.save_interval_steps: 50')
   whole, killed = tmp_path / 'whole', tmp_path / 'killed'
-  reference = br.Start('trainer', *args, f'--logdir={whole}')
-  victim = br.Start('trainer', *args, f'--logdir={killed}')
-  _WaitForCheckpoint(killed, victim)
+  reference = br.start('trainer', *args, f'--logdir={whole}')
+  victim = br.start('trainer', *args, f'--logdir={killed}')
+  _wait_for_checkpoint(killed, victim)
   time.sleep(0.3)  # Somewhere mid-run, possibly mid-save.
   victim.send_signal(signal.SIGKILL)
   victim.communicate()
-  survived = checkpoints.ListCheckpoints(str(killed))
-  assert survived and checkpoints.StepOf(survived[-1]) < steps, (
+  survived = checkpoints.list_checkpoints(str(killed))
+  assert survived and checkpoints.step_of(survived[-1]) < steps, (
       'the trainer finished before it could be killed')
 
-  rc, _, err = br.Run('trainer', *args, f'--logdir={killed}')
+  rc, _, err = br.run('trainer', *args, f'--logdir={killed}')
   assert rc == 0, err
   assert f'Restored {survived[-1]}' in err
-  rc, _, err = br.Finish(reference)
+  rc, _, err = br.finish(reference)
   assert rc == 0, err
   final = f'ckpt-{steps}'
-  diff = br.MaxRelativeDiff(br.ReadCheckpoint(str(whole / final)),
-                            br.ReadCheckpoint(str(killed / final)))
+  diff = br.max_relative_diff(br.read_checkpoint(str(whole / final)),
+                              br.read_checkpoint(str(killed / final)))
   print(f'killed after {survived[-1]}; max relative difference {diff:.3g}')
   assert diff <= 1e-6

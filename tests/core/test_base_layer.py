@@ -45,7 +45,7 @@ class Dense(base_layer.BaseLayer):
 
   @classmethod
   def FPropMeta(cls, p, x):
-    return base_layer.LayerMeta.Build(
+    return base_layer.LayerMeta.build(
         p, flops=2 * x.num_elements() * p.dim, out_shapes=(x,),
         num_params=p.dim * (p.dim + 1))
 
@@ -93,7 +93,7 @@ class Holder(base_layer.BaseLayer):
     self.CreateChild('helper', Dense.Params())
 
 
-def _Values(layer: base_layer.BaseLayer) -> list[np.ndarray]:
+def _values(layer: base_layer.BaseLayer) -> list[np.ndarray]:
   return [v.numpy() for v in tf.nest.flatten(layer.theta)]
 
 
@@ -166,25 +166,25 @@ def test_create_children_places_variables_on_devices():
 
 # ---- Seeds -----------------------------------------------------------------
 def test_initial_values_follow_the_documented_formula():
-  # w = Xavier-uniform drawn with StableSeed(random_seed, path, name).
+  # w = Xavier-uniform drawn with stable_seed(random_seed, path, name).
   layer = Dense.Params().Set(name='fc', random_seed=5).Instantiate()
   limit = math.sqrt(6.0 / (4 + 4))
   want = tf.random.stateless_uniform(
-      [4, 4], base_layer.StableSeed(5, 'fc', 'w'), -limit, limit)
+      [4, 4], base_layer.stable_seed(5, 'fc', 'w'), -limit, limit)
   np.testing.assert_array_equal(layer.vars.w.numpy(), want.numpy())
 
 
 def test_same_params_give_the_same_weights_whatever_the_global_seed():
   p = Tree.Params().Set(name='root')
   tf.random.set_seed(1)
-  a = _Values(p.Instantiate())
+  a = _values(p.Instantiate())
   tf.random.set_seed(2)
-  b = _Values(p.Instantiate())
+  b = _values(p.Instantiate())
   for x, y in zip(a, b):
     np.testing.assert_array_equal(x, y)
 
 
-def _W(root: base_layer.BaseLayer) -> np.ndarray:
+def _w(root: base_layer.BaseLayer) -> np.ndarray:
   return root.children.stack[1].vars.w.numpy()
 
 
@@ -195,16 +195,16 @@ def _W(root: base_layer.BaseLayer) -> np.ndarray:
 def test_other_seed_or_path_gives_other_weights(change):
   base = Tree.Params().Set(name='root')
   a, b = base.Instantiate(), base.Copy().Set(**change).Instantiate()
-  assert not np.allclose(_W(a), _W(b))
+  assert not np.allclose(_w(a), _w(b))
   # Siblings of one layer differ from each other too.
-  assert not np.allclose(_W(a), a.children.stack[0].vars.w.numpy())
+  assert not np.allclose(_w(a), a.children.stack[0].vars.w.numpy())
 
 
 def test_weights_do_not_change_when_siblings_are_added():
   a = Tree.Params().Set(name='root').Instantiate()
   b = Tree.Params().Set(name='root', extra_sibling=True,
                         num_stack=4).Instantiate()
-  np.testing.assert_array_equal(_W(a), _W(b))
+  np.testing.assert_array_equal(_w(a), _w(b))
   np.testing.assert_array_equal(a.vars.v.numpy(), b.vars.v.numpy())
   np.testing.assert_array_equal(a.children.fc.vars.w.numpy(),
                                 b.children.fc.vars.w.numpy())
@@ -224,12 +224,12 @@ def test_children_inherit_the_seed_unless_they_set_their_own():
 
 @pytest.mark.parametrize('num_stages', [2, 4])
 def test_weights_do_not_depend_on_the_number_of_stages(num_stages):
-  def Net(k):
+  def net(k):
     return gpipe.PipeliningLayer.Params().Set(
         name='net', layers=[Dense.Params() for _ in range(4)], num_stages=k,
         input_shapes=[[8, 4]]).Instantiate()
 
-  for x, y in zip(_Values(Net(1)), _Values(Net(num_stages))):
+  for x, y in zip(_values(net(1)), _values(net(num_stages))):
     np.testing.assert_array_equal(x, y)
 
 
@@ -262,45 +262,45 @@ class Holds(base_layer.BaseLayer):
     self.CreateVariable('w', WeightParams(p.shape, p.init, p.var_dtype))
 
 
-def _Draw(shape, init) -> np.ndarray:
+def _draw(shape, init) -> np.ndarray:
   return Holds.Params().Set(shape=shape, init=init).Instantiate().vars.w.numpy(
   ).astype(np.float64)
 
 
 def test_xavier_is_uniform_within_the_glorot_limit():
   for scale in (1.0, 2.0):
-    w = _Draw([400, 600], WeightInit.Xavier(scale))
+    w = _draw([400, 600], WeightInit.Xavier(scale))
     limit = scale * math.sqrt(6.0 / (400 + 600))
     assert w.min() >= -limit and w.max() <= limit
     assert w.max() > 0.99 * limit and w.min() < -0.99 * limit
     # Var of U(−L, L) is L²/3; the estimator's relative std here is 0.2%.
     assert w.var() == pytest.approx(limit**2 / 3, rel=0.02)
   # Conv kernels: fans include the receptive field.
-  w = _Draw([3, 3, 32, 64], WeightInit.Xavier())
+  w = _draw([3, 3, 32, 64], WeightInit.Xavier())
   limit = math.sqrt(6.0 / (9 * 32 + 9 * 64))
   assert w.max() <= limit and w.max() > 0.99 * limit
 
 
 def test_he_is_normal_with_std_sqrt_2_over_fan_in():
-  w = _Draw([3, 3, 64, 128], WeightInit.He())
+  w = _draw([3, 3, 64, 128], WeightInit.He())
   std = math.sqrt(2.0 / (3 * 3 * 64))
   assert w.std() == pytest.approx(std, rel=0.02)
   assert abs(w.mean()) < 5 * std / math.sqrt(w.size)
 
 
 def test_other_initialisers():
-  g = _Draw([500, 500], WeightInit.Gaussian(0.5))
+  g = _draw([500, 500], WeightInit.Gaussian(0.5))
   assert g.std() == pytest.approx(0.5, rel=0.02)
-  u = _Draw([500, 500], WeightInit.Uniform(2.0))
+  u = _draw([500, 500], WeightInit.Uniform(2.0))
   assert u.min() >= -2 and u.max() <= 2
   assert u.var() == pytest.approx(4.0 / 3, rel=0.02)
-  t = _Draw([500, 500], WeightInit.TruncatedGaussian(1.0))
+  t = _draw([500, 500], WeightInit.TruncatedGaussian(1.0))
   assert np.abs(t).max() <= 2.0
   # Std of N(0, 1) truncated to ±2: 1 − 2·2·φ(2) / (Φ(2) − Φ(−2)).
   phi = math.exp(-2.0) / math.sqrt(2 * math.pi)
   var = 1 - 4 * phi / math.erf(2 / math.sqrt(2))
   assert t.var() == pytest.approx(var, rel=0.02)
-  np.testing.assert_array_equal(_Draw([2, 3], WeightInit.Constant(3.0)),
+  np.testing.assert_array_equal(_draw([2, 3], WeightInit.Constant(3.0)),
                                 np.full([2, 3], 3.0))
 
 
@@ -386,7 +386,7 @@ def test_add_stats_collects_by_path_only_when_asked():
   fc = root.children.stack[1]
   fc.FProp(fc.theta, tf.zeros([3, 4]))  # No collector: nothing happens.
   collector = StatsCollector()
-  with fprop_context.Scope(training=True, stats=collector):
+  with fprop_context.scope(training=True, stats=collector):
     fc.FProp(fc.theta, tf.zeros([3, 4]))
     fc.FProp(fc.theta, tf.zeros([5, 4]))
   assert list(collector.stats) == ['root.stack[1]']
@@ -418,8 +418,8 @@ def test_checkpoint_names_are_readable_and_restore(tmp_path):
                'model/stack_1/b'):
     assert f'{want}/.ATTRIBUTES/VARIABLE_VALUE' in names
   other = Tree.Params().Set(name='root', random_seed=99).Instantiate()
-  assert not np.allclose(_W(other), _W(root))
+  assert not np.allclose(_w(other), _w(root))
   status = tf.train.Checkpoint(model=other).restore(path)
   status.assert_existing_objects_matched()
-  for x, y in zip(_Values(root), _Values(other)):
+  for x, y in zip(_values(root), _values(other)):
     np.testing.assert_array_equal(x, y)

@@ -14,32 +14,32 @@ from lingvo_pipe.core import devices
 _NUM_TEST_DEVICES = 4  # What tests/conftest.py configures.
 
 
-def _RequireCpuOnly():
+def _require_cpu_only():
   if (tf.config.list_logical_devices('GPU') or
       tf.config.list_logical_devices('TPU')):
     pytest.skip('Expectations below are for a machine without accelerators.')
 
 
-def _CpuNames() -> list[str]:
+def _cpu_names() -> list[str]:
   return [d.name for d in tf.config.list_logical_devices('CPU')]
 
 
 def test_conftest_split_the_cpu_into_four_logical_devices():
-  names = _CpuNames()
+  names = _cpu_names()
   assert len(names) == _NUM_TEST_DEVICES
   assert len(set(names)) == _NUM_TEST_DEVICES
 
 
 @pytest.mark.parametrize('num_stages', [1, 2, 3, 4])
 def test_default_devices_gives_stage_k_the_kth_logical_cpu(num_stages):
-  _RequireCpuOnly()
-  assert devices.DefaultDevices(num_stages) == _CpuNames()[:num_stages]
+  _require_cpu_only()
+  assert devices.default_devices(num_stages) == _cpu_names()[:num_stages]
 
 
 def test_default_devices_places_ops_on_distinct_devices():
-  _RequireCpuOnly()
+  _require_cpu_only()
   placed = []
-  for name in devices.DefaultDevices(_NUM_TEST_DEVICES):
+  for name in devices.default_devices(_NUM_TEST_DEVICES):
     with tf.device(name):
       result = tf.math.add(tf.ones([2]), 1.0)
     placed.append(tf.DeviceSpec.from_string(result.device))
@@ -48,12 +48,12 @@ def test_default_devices_places_ops_on_distinct_devices():
 
 
 def test_more_stages_than_devices_names_the_fix():
-  _RequireCpuOnly()
+  _require_cpu_only()
   with pytest.raises(devices.DeviceError) as e:
-    devices.DefaultDevices(_NUM_TEST_DEVICES + 1)
+    devices.default_devices(_NUM_TEST_DEVICES + 1)
   message = str(e.value)
   assert f'{_NUM_TEST_DEVICES + 1} stages' in message
-  assert f'ConfigureLogicalCpus({_NUM_TEST_DEVICES + 1})' in message
+  assert f'configure_logical_cpus({_NUM_TEST_DEVICES + 1})' in message
 
 
 def test_single_cpu_runs_every_stage_on_it(monkeypatch):
@@ -61,27 +61,27 @@ def test_single_cpu_runs_every_stage_on_it(monkeypatch):
   only = SimpleNamespace(name='/job:localhost/replica:0/task:0/device:CPU:0')
   monkeypatch.setattr(devices.tf.config, 'list_logical_devices',
                       lambda kind: [only] if kind == 'CPU' else [])
-  assert devices.DefaultDevices(3) == [only.name] * 3
+  assert devices.default_devices(3) == [only.name] * 3
 
 
 def test_configure_after_start_is_a_no_op_when_enough_devices():
-  _CpuNames()  # Make sure the runtime has started.
-  devices.ConfigureLogicalCpus(2)
-  devices.ConfigureLogicalCpus(_NUM_TEST_DEVICES)
-  assert len(_CpuNames()) == _NUM_TEST_DEVICES
+  _cpu_names()  # Make sure the runtime has started.
+  devices.configure_logical_cpus(2)
+  devices.configure_logical_cpus(_NUM_TEST_DEVICES)
+  assert len(_cpu_names()) == _NUM_TEST_DEVICES
 
 
 def test_configure_after_start_asking_for_more_raises():
-  _CpuNames()
+  _cpu_names()
   with pytest.raises(devices.DeviceError) as e:
-    devices.ConfigureLogicalCpus(_NUM_TEST_DEVICES * 2)
+    devices.configure_logical_cpus(_NUM_TEST_DEVICES * 2)
   message = str(e.value)
   assert f'Asked for {_NUM_TEST_DEVICES * 2}' in message
   assert f'already started with {_NUM_TEST_DEVICES}' in message
-  assert len(_CpuNames()) == _NUM_TEST_DEVICES
+  assert len(_cpu_names()) == _NUM_TEST_DEVICES
 
 
 @pytest.mark.parametrize('bad', [0, -1])
 def test_configure_rejects_non_positive_counts(bad):
   with pytest.raises(devices.DeviceError, match=str(bad)):
-    devices.ConfigureLogicalCpus(bad)
+    devices.configure_logical_cpus(bad)

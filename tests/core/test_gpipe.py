@@ -33,7 +33,7 @@ BATCH = 8
 POLICIES = ('always', 'except_last', 'never')
 
 
-def _ConvBnStack() -> tuple[list, list, callable]:
+def _conv_bn_stack() -> tuple[list, list, callable]:
   """Conv → BN → Conv → BN → pool → flatten → FC (with dropout)."""
   layers = [
       conv.Conv2DLayer.Params().Set(name='c0', filter_shape=(3, 3, 2, 4),
@@ -49,24 +49,24 @@ def _ConvBnStack() -> tuple[list, list, callable]:
   ]
   shapes = [[BATCH, 8, 8, 2]]
 
-  def _Inputs(rng):
+  def _inputs(rng):
     return (tf.constant(rng.randn(BATCH, 8, 8, 2).astype(np.float32)),)
-  return layers, shapes, _Inputs
+  return layers, shapes, _inputs
 
 
-def _TransformerStack() -> tuple[list, list, callable]:
+def _transformer_stack() -> tuple[list, list, callable]:
   """Four pre-LN encoder layers carrying (x, paddings) between stages."""
   layers = [transformer.TransformerEncoderLayer.Params().Set(
       name=f'enc{i}', input_dim=8, num_heads=2, hidden_dim=16,
       residual_dropout_prob=0.1) for i in range(4)]
   shapes = [[BATCH, 5, 8], [BATCH, 5]]
 
-  def _Inputs(rng):
+  def _inputs(rng):
     x = tf.constant(rng.randn(BATCH, 5, 8).astype(np.float32))
     lengths = rng.randint(1, 6, size=BATCH)
     paddings = (np.arange(5)[None, :] >= lengths[:, None]).astype(np.float32)
     return x, tf.constant(paddings)
-  return layers, shapes, _Inputs
+  return layers, shapes, _inputs
 
 
 class _Fork(base_layer.BaseLayer):
@@ -89,7 +89,7 @@ class _Fork(base_layer.BaseLayer):
 
   @classmethod
   def FPropMeta(cls, p, x):
-    return base_layer.LayerMeta.Build(
+    return base_layer.LayerMeta.build(
         p, flops=2 * x.num_elements() * p.dim, out_shapes=(
             NestedMap(x=x, skip=x),), num_params=p.dim * p.dim + p.dim)
 
@@ -102,7 +102,7 @@ class _Carry(_Fork):
 
   @classmethod
   def FPropMeta(cls, p, m):
-    return base_layer.LayerMeta.Build(
+    return base_layer.LayerMeta.build(
         p, flops=2 * m.x.num_elements() * p.dim, out_shapes=(m,),
         num_params=p.dim * p.dim + p.dim)
 
@@ -115,33 +115,33 @@ class _Join(_Fork):
 
   @classmethod
   def FPropMeta(cls, p, m):
-    return base_layer.LayerMeta.Build(
+    return base_layer.LayerMeta.build(
         p, flops=2 * m.x.num_elements() * p.dim, out_shapes=(m.x,),
         num_params=p.dim * p.dim + p.dim)
 
 
-def _NestedStack() -> tuple[list, list, callable]:
+def _nested_stack() -> tuple[list, list, callable]:
   layers = ([_Fork.Params().Set(name='fork')] +
             [_Carry.Params().Set(name=f'carry{i}') for i in range(4)] +
             [_Join.Params().Set(name='join')])
 
-  def _Inputs(rng):
+  def _inputs(rng):
     return (tf.constant(rng.randn(BATCH, 4).astype(np.float32)),)
-  return layers, [[BATCH, 4]], _Inputs
+  return layers, [[BATCH, 4]], _inputs
 
 
-MODELS = {'conv_bn': _ConvBnStack, 'transformer': _TransformerStack,
-          'nested': _NestedStack}
+MODELS = {'conv_bn': _conv_bn_stack, 'transformer': _transformer_stack,
+          'nested': _nested_stack}
 
 
-def _Net(model: str, **kw) -> tuple[gpipe.PipeliningLayer, tuple]:
+def _net(model: str, **kw) -> tuple[gpipe.PipeliningLayer, tuple]:
   layers, shapes, make_inputs = MODELS[model]()
   p = gpipe.PipeliningLayer.Params().Set(
       name='net', layers=layers, input_shapes=shapes, devices=DEVICES, **kw)
   return p.Instantiate(), make_inputs(np.random.RandomState(1))
 
 
-def _Loss(out) -> tf.Tensor:
+def _loss(out) -> tf.Tensor:
   x = out[0] if isinstance(out, tuple) else out
   w = tf.cast(tf.range(tf.size(x[0])) % 5 - 2, x.dtype)  # Fixed projection.
   per_example = tf.reduce_sum(tf.reshape(x, [BATCH, -1]) * w, 1) + tf.reduce_sum(
@@ -149,17 +149,17 @@ def _Loss(out) -> tf.Tensor:
   return tf.reduce_sum(per_example) / BATCH
 
 
-def _Pipelined(net, inputs, step=7):
+def _pipelined(net, inputs, step=7):
   collector = fprop_context.StatsCollector()
   with tf.GradientTape() as tape:
-    with fprop_context.Scope(training=True, step=step, stats=collector):
+    with fprop_context.scope(training=True, step=step, stats=collector):
       out = net.FProp(net.theta, *inputs)
-    loss = _Loss(out)
+    loss = _loss(out)
   grads = tape.gradient(loss, net.theta)
   return loss, out, grads, collector.stats
 
 
-def _Reference(net, inputs, num_micro_batches, step=7):
+def _reference(net, inputs, num_micro_batches, step=7):
   """Plain autodiff over the same layers, micro-batch by micro-batch."""
   collector = fprop_context.StatsCollector()
   m = num_micro_batches
@@ -168,7 +168,7 @@ def _Reference(net, inputs, num_micro_batches, step=7):
   with tf.GradientTape() as tape:
     for i in range(m):
       x = tuple(parts[i] for parts in micro)
-      with fprop_context.Scope(training=True, step=step, micro_batch_index=i,
+      with fprop_context.scope(training=True, step=step, micro_batch_index=i,
                                num_micro_batches=m, stats=collector):
         for layer, theta in zip(net.children.layers, net.theta.layers):
           out = layer.FProp(theta, *x)
@@ -176,11 +176,11 @@ def _Reference(net, inputs, num_micro_batches, step=7):
       outs.append(x)
     out = tuple(tf.concat(list(parts), 0) for parts in zip(*outs))
     out = out[0] if len(out) == 1 else out
-    loss = _Loss(out)
+    loss = _loss(out)
   return loss, out, tape.gradient(loss, net.theta), collector.stats
 
 
-def _MaxRelDiff(a, b) -> float:
+def _max_rel_diff(a, b) -> float:
   """Largest leaf-wise max|a−b| / max|b|.
 
   A leaf whose true gradient is zero (e.g. an attention key bias, which
@@ -211,10 +211,10 @@ CASES += [(model, k, m, r, 'graph') for model in MODELS
     'model,num_stages,num_micro_batches,recompute,mode', CASES)
 def test_pipelined_equals_unpipelined(model, num_stages, num_micro_batches,
                                       recompute, mode):
-  net, inputs = _Net(model, num_stages=num_stages,
+  net, inputs = _net(model, num_stages=num_stages,
                      num_micro_batches=num_micro_batches, recompute=recompute)
-  run = lambda: _Pipelined(net, inputs)
-  ref = lambda: _Reference(net, inputs, num_micro_batches)
+  run = lambda: _pipelined(net, inputs)
+  ref = lambda: _reference(net, inputs, num_micro_batches)
   if mode == 'graph':
     run = tf.function(run)
     if model == 'conv_bn':
@@ -224,15 +224,15 @@ def test_pipelined_equals_unpipelined(model, num_stages, num_micro_batches,
       ref = tf.function(ref)
   got, want = run(), ref()
   for name, i in (('loss', 0), ('outputs', 1), ('gradients', 2)):
-    assert _MaxRelDiff(got[i], want[i]) < 1e-5, name
+    assert _max_rel_diff(got[i], want[i]) < 1e-5, name
   assert sorted(got[3]) == sorted(want[3])
-  assert _MaxRelDiff([got[3][k] for k in sorted(got[3])],
-                     [want[3][k] for k in sorted(want[3])]) < 1e-5
+  assert _max_rel_diff([got[3][k] for k in sorted(got[3])],
+                       [want[3][k] for k in sorted(want[3])]) < 1e-5
 
 
 def test_batch_norm_counts_every_example_once():
-  net, inputs = _Net('conv_bn', num_stages=4, num_micro_batches=4)
-  stats = tf.function(lambda: _Pipelined(net, inputs)[3])()
+  net, inputs = _net('conv_bn', num_stages=4, num_micro_batches=4)
+  stats = tf.function(lambda: _pipelined(net, inputs)[3])()
   assert sorted(stats) == ['net.layers[1]', 'net.layers[3]']
   # bn0 sees 8×8 positions of every example, bn1 4×4 (after stride 2).
   assert float(stats['net.layers[1]'].count) == BATCH * 8 * 8
@@ -242,26 +242,26 @@ def test_batch_norm_counts_every_example_once():
 def test_dropout_mask_is_the_same_in_forward_and_recompute():
   # With rate 0.3 in front of the FC, a recompute that redrew the mask would
   # give the FC weight a gradient of a different function than the loss.
-  net, inputs = _Net('conv_bn', num_stages=2, num_micro_batches=2,
+  net, inputs = _net('conv_bn', num_stages=2, num_micro_batches=2,
                      recompute='always')
-  got = _Pipelined(net, inputs, step=3)
-  want = _Reference(net, inputs, 2, step=3)
-  assert _MaxRelDiff(got[2], want[2]) < 1e-5
-  other_step = _Reference(net, inputs, 2, step=4)
-  assert _MaxRelDiff(got[1], other_step[1]) > 1e-3  # Masks do change by step.
+  got = _pipelined(net, inputs, step=3)
+  want = _reference(net, inputs, 2, step=3)
+  assert _max_rel_diff(got[2], want[2]) < 1e-5
+  other_step = _reference(net, inputs, 2, step=4)
+  assert _max_rel_diff(got[1], other_step[1]) > 1e-3  # Masks do change by step.
 
 
 def test_initial_weights_do_not_depend_on_stages_or_micro_batches():
-  nets = [_Net('transformer', num_stages=k, num_micro_batches=m)[0]
+  nets = [_net('transformer', num_stages=k, num_micro_batches=m)[0]
           for k, m in ((1, 1), (2, 4), (4, 8))]
   for other in nets[1:]:
-    assert _MaxRelDiff(other.theta, nets[0].theta) == 0.0
+    assert _max_rel_diff(other.theta, nets[0].theta) == 0.0
 
 
 def test_explicit_split_points_and_auto_partition():
-  net, _ = _Net('nested', num_stages=3, split_points=[1, 5])
+  net, _ = _net('nested', num_stages=3, split_points=[1, 5])
   assert net.boundaries == [0, 1, 5, 6]
-  auto, _ = _Net('nested', num_stages=3)
+  auto, _ = _net('nested', num_stages=3)
   assert auto.boundaries[0] == 0 and auto.boundaries[-1] == 6
   assert len(auto.report.stages) == 3
   # Variables live on their stage's device.
@@ -270,12 +270,12 @@ def test_explicit_split_points_and_auto_partition():
 
 
 def test_inference_runs_whole_batch_stage_by_stage():
-  net, inputs = _Net('transformer', num_stages=2, num_micro_batches=4)
+  net, inputs = _net('transformer', num_stages=2, num_micro_batches=4)
   out = net.FProp(net.theta, *inputs)
   x = inputs
   for layer, theta in zip(net.children.layers, net.theta.layers):
     x = layer.FProp(theta, *x)
-  assert _MaxRelDiff(out, x) == 0.0
+  assert _max_rel_diff(out, x) == 0.0
 
 
 @pytest.mark.parametrize('kw,match', [
@@ -283,15 +283,15 @@ def test_inference_runs_whole_batch_stage_by_stage():
     (dict(num_stages=2, num_micro_batches=16), 'exceeds the batch size'),
 ])
 def test_bad_micro_batching_is_named(kw, match):
-  net, inputs = _Net('nested', **kw)
+  net, inputs = _net('nested', **kw)
   with pytest.raises(ValueError, match=match):
-    _Pipelined(net, inputs)
+    _pipelined(net, inputs)
 
 
 def test_bad_stage_and_device_counts_are_named():
   with pytest.raises(ValueError, match='num_stages=7 but there are 6 layers'):
-    _Net('nested', num_stages=7)
-  layers, shapes, _ = _NestedStack()
+    _net('nested', num_stages=7)
+  layers, shapes, _ = _nested_stack()
   p = gpipe.PipeliningLayer.Params().Set(
       name='net', layers=layers, input_shapes=shapes, num_stages=3,
       devices=DEVICES[:2])
@@ -317,10 +317,10 @@ def test_shape_mismatch_between_layers_is_named():
 
 
 def test_fprop_meta_of_whole_pipeline_sums_layers():
-  layers, shapes, _ = _ConvBnStack()
+  layers, shapes, _ = _conv_bn_stack()
   p = gpipe.PipeliningLayer.Params().Set(name='net', layers=layers)
-  meta = gpipe.PipeliningLayer.FPropMeta(p, *base_layer.AsShape(shapes))
-  metas = gpipe.LayerMetas(layers, shapes)
+  meta = gpipe.PipeliningLayer.FPropMeta(p, *base_layer.as_shape(shapes))
+  metas = gpipe.layer_metas(layers, shapes)
   assert meta.flops == sum(m.flops for m in metas)
   assert meta.out_shapes == metas[-1].out_shapes
   assert meta.out_shapes[0].as_list() == [BATCH, 3]
@@ -330,18 +330,18 @@ def test_timeline_does_not_serialise_the_stages():
   # Regression: tf.timestamp() made the stage calls stateful, and
   # tf.function's automatic control dependencies then chained every call in
   # program order — stage 1 could not start before stage 0 had finished.
-  net, inputs = _Net('nested', num_stages=2, num_micro_batches=4)
+  net, inputs = _net('nested', num_stages=2, num_micro_batches=4)
 
   @tf.function
-  def _Step():
+  def _step():
     timeline = []
     with tf.GradientTape() as tape:
-      with fprop_context.Scope(training=True, step=1, timeline=timeline):
-        loss = _Loss(net.FProp(net.theta, *inputs))
+      with fprop_context.scope(training=True, step=1, timeline=timeline):
+        loss = _loss(net.FProp(net.theta, *inputs))
     tape.gradient(loss, net.theta)
     return [tf.stack(r[3:]) for r in timeline]
 
-  graph = _Step.get_concrete_function().graph
+  graph = _step.get_concrete_function().graph
   calls = [op for op in graph.get_operations() if 'PartitionedCall' in op.type]
   assert len(calls) == 2 * 4 * 2  # (forward, backward) per stage, micro-batch.
   for op in calls:

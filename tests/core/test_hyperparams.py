@@ -48,7 +48,7 @@ class _Built:
     self.extra = extra
 
 
-def _Tree() -> Params:
+def _tree() -> Params:
   """a.b.dim, built bottom-up (inner trees exist before they are adopted)."""
   b = Params()
   b.Define('dim', 1, 'Depth.')
@@ -62,27 +62,27 @@ def _Tree() -> Params:
   return p
 
 
-def _Leaf(dim: int) -> Params:
+def _leaf(dim: int) -> Params:
   return _Built.Params().Set(output_dim=dim, shape=[dim, 2])
 
 
-def _AssertSameTree(a: Any, b: Any, path: str = 'p') -> None:
+def _assert_same_tree(a: Any, b: Any, path: str = 'p') -> None:
   """Same keys, same leaf types, same leaf values (nan equals nan)."""
   if isinstance(a, Params):
     assert isinstance(b, Params), path
     assert list(dict(a.IterParams())) == list(dict(b.IterParams())), path
     for key, value in a.IterParams():
-      _AssertSameTree(value, getattr(b, key), f'{path}.{key}')
+      _assert_same_tree(value, getattr(b, key), f'{path}.{key}')
     return
   assert type(a) is type(b), (path, a, b)
   if isinstance(a, (list, tuple)):
     assert len(a) == len(b), path
     for i, (x, y) in enumerate(zip(a, b)):
-      _AssertSameTree(x, y, f'{path}[{i}]')
+      _assert_same_tree(x, y, f'{path}[{i}]')
   elif isinstance(a, dict):
     assert list(a) == list(b), path
     for key in a:
-      _AssertSameTree(a[key], b[key], f'{path}[{key!r}]')
+      _assert_same_tree(a[key], b[key], f'{path}[{key!r}]')
   elif isinstance(a, float) and math.isnan(a):
     assert math.isnan(b), path
   else:
@@ -112,18 +112,18 @@ def test_define_get_set_and_doc():
     ('is_frozen', 'Doc.', 'shadows'),
 ])
 def test_define_rejects(name, doc, match):
-  p = _Tree()
+  p = _tree()
   with pytest.raises(ParamsError, match=match):
     p.Define(name, 1, doc)
 
 
 def test_set_dotted_paths_and_list_indices():
-  p = _Tree()
-  p.layers = [_Leaf(1), _Leaf(2), _Leaf(3)]
+  p = _tree()
+  p.layers = [_leaf(1), _leaf(2), _leaf(3)]
   p.Set(**{'a.b.dim': 5, 'layers[2].output_dim': 7, 'lr': 0.5})
   assert (p.a.b.dim, p.layers[2].output_dim, p.lr) == (5, 7, 0.5)
   assert p.Get('layers[2].output_dim') == 7 and p.Get('a.b.dim') == 5
-  p.Set(**{'layers[0]': _Leaf(9)})
+  p.Set(**{'layers[0]': _leaf(9)})
   assert p.layers[0].output_dim == 9
   q = Params()
   q.Define('shape', (1, 2, 3), 'A tuple.')
@@ -137,8 +137,8 @@ def test_set_dotted_paths_and_list_indices():
     ('a..b', 'Malformed param path'),
 ])
 def test_bad_paths(path, match):
-  p = _Tree()
-  p.layers = [_Leaf(1), _Leaf(2), _Leaf(3)]
+  p = _tree()
+  p.layers = [_leaf(1), _leaf(2), _leaf(3)]
   with pytest.raises(ParamsError, match=match):
     p.Set(**{path: 1})
 
@@ -152,14 +152,14 @@ def test_unknown_key_names_full_path_and_suggests(how):
   # Regression: nested paths were recorded one level deep, so setting
   # p.a.b.dimm on a tree built bottom-up said 'b.dimm'.
   with pytest.raises(ParamsError) as e:
-    how(_Tree())
+    how(_tree())
   assert "'a.b.dimm'" in str(e.value)
   assert "Did you mean 'dim'?" in str(e.value)
 
 
 def test_unknown_key_in_a_list_element_names_the_index():
-  p = _Tree()
-  p.layers = [_Leaf(1), _Leaf(2)]
+  p = _tree()
+  p.layers = [_leaf(1), _leaf(2)]
   with pytest.raises(ParamsError, match=r"'layers\[1\]\.output_dimm'.*"
                      r"Did you mean 'output_dim'"):
     p.layers[1].output_dimm = 3
@@ -167,21 +167,21 @@ def test_unknown_key_in_a_list_element_names_the_index():
 
 # ---- Copy, freeze, equality ------------------------------------------------
 def test_copy_is_deep_and_independent():
-  p = _Tree()
-  p.layers = [_Leaf(1)]
+  p = _tree()
+  p.layers = [_leaf(1)]
   q = p.Copy()
   q.a.b.dim = 10
   q.layers[0].shape.append(99)
   q.layers[0].output_dim = 8
-  q.layers.append(_Leaf(2))
+  q.layers.append(_leaf(2))
   assert p.a.b.dim == 1 and p.layers[0].shape == [1, 2]
   assert p.layers[0].output_dim == 1 and len(p.layers) == 1
   assert q.layers[0].cls is _Built  # Classes are shared, not copied.
 
 
 def test_copy_of_frozen_is_unfrozen_all_the_way_down():
-  p = _Tree()
-  p.layers = [_Leaf(1)]
+  p = _tree()
+  p.layers = [_leaf(1)]
   q = p.Freeze().Copy()
   assert p.is_frozen and p.a.b.is_frozen and p.layers[0].is_frozen
   assert not (q.is_frozen or q.a.b.is_frozen or q.layers[0].is_frozen)
@@ -193,14 +193,14 @@ def test_copy_of_frozen_is_unfrozen_all_the_way_down():
     (lambda p: setattr(p.a.b, 'dim', 2), 'a.b.dim'),
     (lambda p: setattr(p.layers[0], 'output_dim', 2), 'layers[0].output_dim'),
     (lambda p: p.Set(**{'a.b.dim': 2}), 'a.b.dim'),
-    (lambda p: p.Set(**{'layers[0]': _Leaf(3)}), 'layers'),
+    (lambda p: p.Set(**{'layers[0]': _leaf(3)}), 'layers'),
     (lambda p: p.FromText('layers[0].output_dim : 2'),
      'layers[0].output_dim'),
     (lambda p: p.Define('extra', 1, 'Doc.'), 'extra'),
 ])
 def test_frozen_params_refuse_changes_naming_the_path(how, path):
-  p = _Tree()
-  p.layers = [_Leaf(1)]
+  p = _tree()
+  p.layers = [_leaf(1)]
   p.Freeze()
   with pytest.raises(ParamsError) as e:
     how(p)
@@ -209,8 +209,8 @@ def test_frozen_params_refuse_changes_naming_the_path(how, path):
 
 
 def test_equality():
-  p = _Tree()
-  assert p == p.Copy() and p == _Tree()
+  p = _tree()
+  assert p == p.Copy() and p == _tree()
   q = p.Copy()
   q.lr = 0.2
   assert p != q
@@ -249,7 +249,7 @@ _VALUES = {
 }
 
 
-def _RoundTrip(value: Any, default: Any) -> Any:
+def _round_trip(value: Any, default: Any) -> Any:
   src = Params()
   src.Define('x', value, 'The value.')
   dst = Params()
@@ -262,18 +262,18 @@ def _RoundTrip(value: Any, default: Any) -> Any:
 def test_value_round_trips_into_a_none_default(name):
   # Regression: dicts of dtypes and lists holding inf or nan came back as
   # strings (or failed to parse).
-  _AssertSameTree(_VALUES[name], _RoundTrip(_VALUES[name], None))
+  _assert_same_tree(_VALUES[name], _round_trip(_VALUES[name], None))
 
 
 @pytest.mark.parametrize('name', sorted(_VALUES))
 def test_value_round_trips_into_a_default_of_its_type(name):
   default = {'none': 5}.get(name, _VALUES[name])
-  _AssertSameTree(_VALUES[name], _RoundTrip(_VALUES[name], default))
+  _assert_same_tree(_VALUES[name], _round_trip(_VALUES[name], default))
 
 
 def test_to_text_is_one_line_per_leaf():
-  p = _Tree()
-  p.layers = [_Leaf(4)]
+  p = _tree()
+  p.layers = [_leaf(4)]
   assert p.ToText().splitlines() == [
       'a.b.dim : 1',
       'lr : 0.1',
@@ -286,7 +286,7 @@ def test_to_text_is_one_line_per_leaf():
 
 
 def test_to_text_rejects_what_it_cannot_parse_back():
-  p = _Tree()
+  p = _tree()
   p.lr = lambda step: 0.1
   with pytest.raises(ParamsError, match="'lr' holds a function"):
     p.ToText()
@@ -294,41 +294,41 @@ def test_to_text_rejects_what_it_cannot_parse_back():
 
 @pytest.mark.parametrize('num_layers', [0, 1, 3])
 def test_list_of_params_grows_and_shrinks_from_text(num_layers):
-  src = _Tree()
-  src.layers = [_Leaf(i + 1) for i in range(num_layers)]
-  src.layers[-1:] = [_Leaf(7).Set(output_dim=70)] if num_layers else []
-  for start in ([], [_Leaf(5), _Leaf(6)]):
-    dst = _Tree()
+  src = _tree()
+  src.layers = [_leaf(i + 1) for i in range(num_layers)]
+  src.layers[-1:] = [_leaf(7).Set(output_dim=70)] if num_layers else []
+  for start in ([], [_leaf(5), _leaf(6)]):
+    dst = _tree()
     dst.layers = start
     dst.FromText(src.ToText())
-    _AssertSameTree(src, dst)
+    _assert_same_tree(src, dst)
     assert dst == src and not src.TextDiff(dst)
 
 
 def test_tuple_of_params_round_trips():
-  src = _Tree()
-  src.layers = (_Leaf(1), _Leaf(2))
-  dst = _Tree().FromText(src.ToText())
+  src = _tree()
+  src.layers = (_leaf(1), _leaf(2))
+  dst = _tree().FromText(src.ToText())
   assert isinstance(dst.layers, tuple) and dst == src
 
 
 def test_params_valued_key_with_none_default_round_trips():
-  src = _Tree()
-  src.optional = _Leaf(3)
-  dst = _Tree().FromText(src.ToText())
+  src = _tree()
+  src.optional = _leaf(3)
+  dst = _tree().FromText(src.ToText())
   assert isinstance(dst.optional, InstantiableParams)
-  _AssertSameTree(src, dst)
+  _assert_same_tree(src, dst)
   assert dst.optional.Instantiate().params.output_dim == 3
   # And back to None.
-  assert _Tree().Set(optional=_Leaf(1)).FromText(_Tree().ToText()) == _Tree()
+  assert _tree().Set(optional=_leaf(1)).FromText(_tree().ToText()) == _tree()
 
 
 def test_bare_params_under_a_none_default_are_built_from_text():
-  src = _Tree()
+  src = _tree()
   inner = Params()
   inner.Define('depth', 4, 'Depth.')
   src.optional = inner
-  dst = _Tree().FromText(src.ToText())
+  dst = _tree().FromText(src.ToText())
   assert dst.optional.depth == 4 and dst == src
 
 
@@ -342,7 +342,7 @@ def test_changing_cls_rebuilds_from_the_new_class_params():
 
 
 def test_trainer_override_syntax():
-  p = model_registry.GetParams('synthetic.regression.MlpRegression', 'Train')
+  p = model_registry.get_params('synthetic.regression.MlpRegression', 'Train')
   p.FromText('task.train.learning_rate: 0.1; task.pipeline.num_micro_batches: 8'
              ';task.train.optimizer: sgd')
   assert p.task.train.learning_rate == 0.1
@@ -374,7 +374,7 @@ def test_from_text_lines_and_unquoted_strings(text, want):
 @pytest.mark.parametrize('text, want', [
     ('adam', 'adam'), ('', ''), ('/job:w/task:1', '/job:w/task:1')])
 def test_unquoted_string_for_a_none_default(text, want):
-  assert _Tree().FromText(f'optional : {text}').optional == want
+  assert _tree().FromText(f'optional : {text}').optional == want
 
 
 @pytest.mark.parametrize('key, text, expected_type', [
@@ -406,17 +406,17 @@ def test_bracketed_garbage_is_not_taken_for_a_string():
   # Regression: text that failed to parse became a string under a None
   # default, e.g. '[-1.5, inf]' (then unparseable) silently.
   with pytest.raises(ParamsError, match=r"optional : '\[/GPU:0\]'"):
-    _Tree().FromText('optional : [/GPU:0]')
+    _tree().FromText('optional : [/GPU:0]')
 
 
 def test_malformed_line_names_it():
   with pytest.raises(ParamsError, match="Malformed params line 'lr 0.1'"):
-    _Tree().FromText('lr 0.1')
+    _tree().FromText('lr 0.1')
 
 
 def test_text_diff():
-  p = _Tree()
-  p.layers = [_Leaf(1), _Leaf(2)]
+  p = _tree()
+  p.layers = [_leaf(1), _leaf(2)]
   q = p.Copy()
   q.lr = 0.2
   q.layers = q.layers[:1]
@@ -437,7 +437,7 @@ def test_instantiable_params():
 
 
 # ---- Round trip of every config in the repo --------------------------------
-def _LayerClasses() -> list[type]:
+def _layer_classes() -> list[type]:
   classes = {}
   for info in pkgutil.iter_modules(lingvo_pipe.layers.__path__):
     module = importlib.import_module(f'lingvo_pipe.layers.{info.name}')
@@ -448,11 +448,11 @@ def _LayerClasses() -> list[type]:
   return [classes[k] for k in sorted(classes)]
 
 
-def _Perturb(p: Params) -> Params:
+def _perturb(p: Params) -> Params:
   """Changes every int/float/bool/str leaf, so defaults cannot hide a bug."""
   for key, value in p.IterParams():
     if isinstance(value, Params):
-      _Perturb(value)
+      _perturb(value)
     elif isinstance(value, bool):
       setattr(p, key, not value)
     elif isinstance(value, int):
@@ -465,36 +465,36 @@ def _Perturb(p: Params) -> Params:
 
 
 def test_every_layer_params_round_trips_into_a_fresh_default():
-  classes = _LayerClasses()
+  classes = _layer_classes()
   assert len(classes) >= 10  # The layer library is found at all.
   for cls in classes:
-    p = _Perturb(cls.Params())
-    _AssertSameTree(p, cls.Params().FromText(p.ToText()), cls.__name__)
+    p = _perturb(cls.Params())
+    _assert_same_tree(p, cls.Params().FromText(p.ToText()), cls.__name__)
 
 
 def test_pipeline_of_every_layer_round_trips_into_a_fresh_default():
   p = gpipe.PipeliningLayer.Params().Set(
-      layers=[_Perturb(c.Params()) for c in _LayerClasses()],
+      layers=[_perturb(c.Params()) for c in _layer_classes()],
       input_shapes=[[8, 4]], devices=['/device:CPU:0', '/device:CPU:1'])
   fresh = gpipe.PipeliningLayer.Params()
-  _AssertSameTree(p, fresh.FromText(p.ToText()))
+  _assert_same_tree(p, fresh.FromText(p.ToText()))
   longer = gpipe.PipeliningLayer.Params().Set(
       layers=[base_layer.BaseLayer.Params()] * (len(p.layers) + 2))
-  _AssertSameTree(p, longer.FromText(p.ToText()))
+  _assert_same_tree(p, longer.FromText(p.ToText()))
 
 
 @pytest.mark.parametrize('dataset', model_registry.DATASETS)
 def test_every_registered_model_round_trips(dataset):
-  names = model_registry.ListModels()
+  names = model_registry.list_models()
   assert names
   for name in names:
-    p = model_registry.GetParams(name, dataset)
+    p = model_registry.get_params(name, dataset)
     # Into the classes' own defaults ...
-    _AssertSameTree(p.task, p.task.cls.Params().FromText(p.task.ToText()))
-    _AssertSameTree(p.input, p.input.cls.Params().FromText(p.input.ToText()))
+    _assert_same_tree(p.task, p.task.cls.Params().FromText(p.task.ToText()))
+    _assert_same_tree(p.input, p.input.cls.Params().FromText(p.input.ToText()))
     # ... and into a skeleton that knows nothing about the model.
     skeleton = Params()
     skeleton.Define('model', '', 'Name.')
     skeleton.Define('task', None, 'Task.')
     skeleton.Define('input', None, 'Input.')
-    _AssertSameTree(p, skeleton.FromText(p.ToText()), name)
+    _assert_same_tree(p, skeleton.FromText(p.ToText()), name)

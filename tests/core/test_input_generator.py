@@ -24,17 +24,17 @@ class _Range(big.InMemoryInputGenerator):
             'twice': 2 * np.arange(n, dtype=np.int64)}
 
 
-def _Gen(**kwargs):
+def _gen(**kwargs):
   return _Range.Params().Set(**kwargs).Instantiate()
 
 
-def _Ids(ds, num_batches):
+def _ids(ds, num_batches):
   return [b.id.numpy() for b in ds.take(num_batches)]
 
 
 def test_every_epoch_is_a_permutation_and_batches_are_contiguous():
   n, size, steps = 4, 10, 15  # 60 positions = 6 epochs, some steps span two.
-  stream = np.concatenate(_Ids(_Gen(batch_size=n).TrainDataset(0), steps))
+  stream = np.concatenate(_ids(_gen(batch_size=n).TrainDataset(0), steps))
   epochs = stream.reshape(-1, size)
   for epoch in epochs:
     assert sorted(epoch) == list(range(size))
@@ -42,29 +42,29 @@ def test_every_epoch_is_a_permutation_and_batches_are_contiguous():
 
 
 def test_restart_at_step_s_gives_the_same_batches():
-  gen = _Gen(batch_size=3, seed=11)
-  full = _Ids(gen.TrainDataset(0), 12)
+  gen = _gen(batch_size=3, seed=11)
+  full = _ids(gen.TrainDataset(0), 12)
   for start in (1, 3, 7):
-    resumed = _Ids(_Gen(batch_size=3, seed=11).TrainDataset(start),
+    resumed = _ids(_gen(batch_size=3, seed=11).TrainDataset(start),
                    12 - start)
     for a, b in zip(full[start:], resumed):
       np.testing.assert_array_equal(a, b)
 
 
 def test_features_stay_aligned_and_batches_are_nested_maps():
-  batch = next(iter(_Gen(batch_size=4).TrainDataset(5)))
+  batch = next(iter(_gen(batch_size=4).TrainDataset(5)))
   assert isinstance(batch, NestedMap)
   np.testing.assert_array_equal(batch.twice.numpy(), 2 * batch.id.numpy())
 
 
 def test_seed_changes_the_order():
-  a = np.concatenate(_Ids(_Gen(batch_size=5, seed=1).TrainDataset(0), 2))
-  b = np.concatenate(_Ids(_Gen(batch_size=5, seed=2).TrainDataset(0), 2))
+  a = np.concatenate(_ids(_gen(batch_size=5, seed=1).TrainDataset(0), 2))
+  b = np.concatenate(_ids(_gen(batch_size=5, seed=2).TrainDataset(0), 2))
   assert sorted(a) == sorted(b) and list(a) != list(b)
 
 
 def test_eval_is_one_ordered_pass_keeping_the_last_partial_batch():
-  batches = [b.id.numpy() for b in _Gen(batch_size=4).EvalDataset()]
+  batches = [b.id.numpy() for b in _gen(batch_size=4).EvalDataset()]
   assert [len(b) for b in batches] == [4, 4, 2]
   np.testing.assert_array_equal(np.concatenate(batches), np.arange(10))
 
@@ -87,7 +87,7 @@ def test_preprocess_sees_the_training_step_and_none_in_eval():
 
 def test_batch_larger_than_split_names_the_param():
   with pytest.raises(big.InputError, match='input.batch_size'):
-    _Gen(batch_size=11).TrainDataset(0)
+    _gen(batch_size=11).TrainDataset(0)
 
 
 class _Missing(_Range):
@@ -118,13 +118,13 @@ def test_a_loader_bug_is_not_reported_as_missing_data():
 
 
 def test_synthetic_splits_are_deterministic_and_distinct():
-  def Split(split):
+  def split(split):
     p = synthetic.SyntheticRegressionInput.Params().Set(
         split=split, num_examples=50, batch_size=10)
     return p.Instantiate().Arrays()
-  a, b = Split('train'), Split('train')
+  a, b = split('train'), split('train')
   np.testing.assert_array_equal(a['x'], b['x'])
-  assert not np.array_equal(a['x'], Split('dev')['x'])
+  assert not np.array_equal(a['x'], split('dev')['x'])
   # y = tanh(x·W) + noise: the noise is small next to the signal.
   assert np.abs(a['y']).max() < 1.5
 

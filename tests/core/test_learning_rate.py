@@ -9,11 +9,11 @@ from lingvo_pipe.core import base_model
 from lingvo_pipe.core import learning_rate
 
 
-def _Train(**kwargs):
-  return base_model.TrainParams().Set(**kwargs)
+def _train(**kwargs):
+  return base_model.train_params().Set(**kwargs)
 
 
-def _Reference(p, s):
+def _reference(p, s):
   """The documented formulas, one step at a time, in float64."""
   w = p.lr_warmup_steps
   warm = min(1.0, (s + 1) / w) if w > 0 else 1.0
@@ -32,27 +32,27 @@ def _Reference(p, s):
 @pytest.mark.parametrize('schedule', learning_rate.SCHEDULES)
 @pytest.mark.parametrize('warmup', [0, 1, 7])
 def test_matches_reference(schedule, warmup):
-  p = _Train(lr_schedule=schedule, lr_warmup_steps=warmup, learning_rate=0.3,
+  p = _train(lr_schedule=schedule, lr_warmup_steps=warmup, learning_rate=0.3,
              lr_decay_steps=5, lr_decay_rate=0.5, max_steps=40)
   steps = [0, 1, 2, 5, 6, 7, 8, 19, 39, 40, 100]
-  got = [float(learning_rate.LearningRate(p, s)) for s in steps]
-  want = [_Reference(p, s) for s in steps]
+  got = [float(learning_rate.learning_rate(p, s)) for s in steps]
+  want = [_reference(p, s) for s in steps]
   # float32 cos near π: absolute tolerance relative to the peak rate.
   np.testing.assert_allclose(got, want, rtol=2e-6, atol=1e-6 * 0.3)
 
 
 def test_warmup_is_linear_and_peaks_at_learning_rate():
-  p = _Train(lr_schedule='rsqrt', lr_warmup_steps=4, learning_rate=1.0)
-  got = [float(learning_rate.LearningRate(p, s)) for s in range(6)]
+  p = _train(lr_schedule='rsqrt', lr_warmup_steps=4, learning_rate=1.0)
+  got = [float(learning_rate.learning_rate(p, s)) for s in range(6)]
   np.testing.assert_allclose(got[:4], [0.25, 0.5, 0.75, 1.0], rtol=1e-6)
   assert got[4] < 1.0 and max(got) == pytest.approx(1.0)
 
 
 def test_tensor_step_equals_int_step():
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  p = _Train(lr_schedule='exponential', lr_decay_steps=3)
-  assert float(learning_rate.LearningRate(p, tf.constant(7, tf.int64))) == (
-      float(learning_rate.LearningRate(p, 7)))
+  p = _train(lr_schedule='exponential', lr_decay_steps=3)
+  assert float(learning_rate.learning_rate(p, tf.constant(7, tf.int64))) == (
+      float(learning_rate.learning_rate(p, 7)))
 
 
 @pytest.mark.parametrize('override, key', [
@@ -64,4 +64,4 @@ def test_tensor_step_equals_int_step():
 ])
 def test_invalid_params_name_the_key(override, key):
   with pytest.raises(learning_rate.ScheduleError, match=key):
-    learning_rate.Validate(_Train(**override))
+    learning_rate.validate(_train(**override))

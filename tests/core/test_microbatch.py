@@ -1,4 +1,4 @@
-"""microbatch: Split/Concat on nests and the errors that name a fix."""
+"""microbatch: split/concat on nests and the errors that name a fix."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from lingvo_pipe.core.microbatch import MicroBatchError
 from lingvo_pipe.core.nested_map import NestedMap
 
 
-def _Nest(n: int, batch_dim: int = 0) -> NestedMap:
+def _nest(n: int, batch_dim: int = 0) -> NestedMap:
   """Leaves whose entry i along batch_dim is identifiable (value i)."""
   x = np.arange(n * 3, dtype=np.float32).reshape(n, 3)
   y = np.arange(n, dtype=np.int32)
@@ -25,8 +25,8 @@ def _Nest(n: int, batch_dim: int = 0) -> NestedMap:
 @pytest.mark.parametrize('batch_dim', [0, 1])
 @pytest.mark.parametrize('m', [1, 2, 4, 8])
 def test_split_concat_round_trip(batch_dim, m):
-  nest = _Nest(8, batch_dim)
-  micro = microbatch.Split(nest, m, batch_dim)
+  nest = _nest(8, batch_dim)
+  micro = microbatch.split(nest, m, batch_dim)
   assert len(micro) == m
   for k, piece in enumerate(micro):
     assert type(piece) is NestedMap and isinstance(piece.pair, tuple)
@@ -35,24 +35,24 @@ def test_split_concat_round_trip(batch_dim, m):
     want = np.take(nest.x.numpy(), range(k * n, (k + 1) * n), axis=batch_dim)
     np.testing.assert_array_equal(piece.x.numpy(), want)
     assert piece.pair[1].shape[batch_dim] == n
-  back = microbatch.Concat(micro, batch_dim)
+  back = microbatch.concat(micro, batch_dim)
   tf.nest.assert_same_structure(back, nest)
   for a, b in zip(tf.nest.flatten(back), tf.nest.flatten(nest)):
     np.testing.assert_array_equal(a.numpy(), b.numpy())
 
 
 def test_batch_size_is_static_when_known_and_a_tensor_otherwise():
-  assert microbatch.BatchSize(_Nest(8), 0, 'net') == 8
-  assert microbatch.BatchSize(_Nest(8, 1), 1, 'net') == 8
+  assert microbatch.batch_size(_nest(8), 0, 'net') == 8
+  assert microbatch.batch_size(_nest(8, 1), 1, 'net') == 8
   # Regression: numpy inputs (whose .shape is a tuple) raised
   # AttributeError: 'tuple' object has no attribute 'rank'.
-  assert microbatch.BatchSize([np.zeros([6, 2])], 0, 'net') == 6
+  assert microbatch.batch_size([np.zeros([6, 2])], 0, 'net') == 6
 
   @tf.function(input_signature=[tf.TensorSpec([None, 3])])
-  def Dynamic(x):
-    return microbatch.BatchSize((x,), 0, 'net')
+  def dynamic(x):
+    return microbatch.batch_size((x,), 0, 'net')
 
-  assert int(Dynamic(tf.zeros([5, 3]))) == 5
+  assert int(dynamic(tf.zeros([5, 3]))) == 5
 
 
 @pytest.mark.parametrize('inputs, batch_dim, match', [
@@ -65,21 +65,21 @@ def test_batch_size_is_static_when_known_and_a_tensor_otherwise():
 ])
 def test_batch_size_errors(inputs, batch_dim, match):
   with pytest.raises(MicroBatchError, match=match) as e:
-    microbatch.BatchSize(inputs, batch_dim, 'net.pipe')
+    microbatch.batch_size(inputs, batch_dim, 'net.pipe')
   assert str(e.value).startswith('net.pipe: ')
 
 
 def test_num_micro_batches_accepts_divisors():
   for m in (1, 2, 3, 4, 6, 12):
-    assert microbatch.NumMicroBatches(12, m, None, 'net') == m
-  assert microbatch.NumMicroBatches(12, 1, 3, 'net') == 4
-  assert microbatch.NumMicroBatches(12, 4, 3, 'net') == 4  # Consistent.
+    assert microbatch.num_micro_batches(12, m, None, 'net') == m
+  assert microbatch.num_micro_batches(12, 1, 3, 'net') == 4
+  assert microbatch.num_micro_batches(12, 4, 3, 'net') == 4  # Consistent.
 
 
 @pytest.mark.parametrize('n, m, near', [(10, 4, 5), (12, 5, 4), (7, 3, 1)])
 def test_not_divisible_suggests_the_nearest_divisor(n, m, near):
   with pytest.raises(MicroBatchError) as e:
-    microbatch.NumMicroBatches(n, m, None, 'net')
+    microbatch.num_micro_batches(n, m, None, 'net')
   msg = str(e.value)
   assert f'batch size {n} is not divisible by num_micro_batches={m}' in msg
   assert f'num_micro_batches={near}' in msg
@@ -102,31 +102,31 @@ def test_not_divisible_suggests_the_nearest_divisor(n, m, near):
 ])
 def test_num_micro_batches_errors(n, m, mbs, match):
   with pytest.raises(MicroBatchError, match=match):
-    microbatch.NumMicroBatches(n, m, mbs, 'net')
+    microbatch.num_micro_batches(n, m, mbs, 'net')
 
 
 def test_micro_batch_size_needs_a_static_batch():
   with pytest.raises(MicroBatchError, match='needs a static batch size'):
-    microbatch.NumMicroBatches(tf.constant(8), 1, 2, 'net')
+    microbatch.num_micro_batches(tf.constant(8), 1, 2, 'net')
   # num_micro_batches works with a dynamic batch (checked by tf.split).
-  assert microbatch.NumMicroBatches(tf.constant(8), 2, None, 'net') == 2
+  assert microbatch.num_micro_batches(tf.constant(8), 2, None, 'net') == 2
 
 
 def test_concat_rejects_a_scalar_output_leaf():
   outs = [NestedMap(loss=tf.constant(1.0), y=tf.zeros([2, 3]))] * 2
   with pytest.raises(MicroBatchError,
                      match='leaf 0 is a scalar.*per-example losses'):
-    microbatch.Concat(outs, 0)
+    microbatch.concat(outs, 0)
 
 
 def test_concat_rejects_a_leaf_without_the_batch_dim():
   # Regression: a rank-1 leaf with batch_dim=1 hit tf.concat's own error.
   outs = [(tf.zeros([3]), tf.zeros([3, 2]))] * 2
   with pytest.raises(MicroBatchError, match='no batch dimension 1'):
-    microbatch.Concat(outs, 1)
+    microbatch.concat(outs, 1)
 
 
 def test_single_micro_batch_is_passed_through():
-  nest = _Nest(4)
-  assert microbatch.Split(nest, 1, 0) == [nest]
-  assert microbatch.Concat([nest], 0) is nest
+  nest = _nest(4)
+  assert microbatch.split(nest, 1, 0) == [nest]
+  assert microbatch.concat([nest], 0) is nest

@@ -13,20 +13,20 @@ _MODULE = 'params.synthetic.regression'
 
 
 def test_name_is_module_under_params_plus_class():
-  cls = model_registry.GetClass(_NAME)
+  cls = model_registry.get_class(_NAME)
   assert cls.__module__ == _MODULE and cls.__name__ == 'MlpRegression'
-  assert model_registry.ModelName(cls) == _NAME
+  assert model_registry.model_name(cls) == _NAME
 
 
 def test_lookup_imports_only_the_models_module(monkeypatch):
   monkeypatch.delitem(sys.modules, _MODULE, raising=False)
   monkeypatch.delitem(model_registry._MODELS, _NAME, raising=False)
-  assert model_registry.GetClass(_NAME).__name__ == 'MlpRegression'
+  assert model_registry.get_class(_NAME).__name__ == 'MlpRegression'
   assert _MODULE in sys.modules
 
 
 def test_listing_finds_every_module():
-  assert _NAME in model_registry.ListModels()
+  assert _NAME in model_registry.list_models()
 
 
 @pytest.mark.parametrize('typo', [
@@ -36,7 +36,7 @@ def test_listing_finds_every_module():
 ])
 def test_unknown_name_lists_the_closest(typo):
   with pytest.raises(model_registry.ModelRegistryError) as e:
-    model_registry.GetClass(typo)
+    model_registry.get_class(typo)
   assert f'Unknown model {typo!r}' in str(e.value)
   assert f'Closest: {_NAME}' in str(e.value)
 
@@ -52,18 +52,18 @@ def test_a_broken_config_module_is_not_called_unknown(tmp_path, monkeypatch):
                       list(params.__path__) + [str(tmp_path / 'params')])
   try:
     with pytest.raises(ModuleNotFoundError, match='no_such_dependency_xyz'):
-      model_registry.GetClass('broken.cfg.Model')
+      model_registry.get_class('broken.cfg.Model')
   finally:
     sys.modules.pop('params.broken.cfg', None)
     sys.modules.pop('params.broken', None)
 
 
 def test_get_params_composes_model_task_and_input():
-  p = model_registry.GetParams(_NAME, 'Train')
+  p = model_registry.get_params(_NAME, 'Train')
   assert p.model == _NAME
   assert p.input.split == 'train'
-  assert model_registry.GetParams(_NAME, 'Dev').input.split == 'dev'
-  assert model_registry.GetParams(_NAME, 'Test').input.split == 'test'
+  assert model_registry.get_params(_NAME, 'Dev').input.split == 'dev'
+  assert model_registry.get_params(_NAME, 'Test').input.split == 'test'
   p.FromText('task.train.learning_rate: 0.1; input.batch_size: 16; '
              'task.pipeline.num_micro_batches: 8')
   assert (p.task.train.learning_rate, p.input.batch_size,
@@ -72,27 +72,27 @@ def test_get_params_composes_model_task_and_input():
 
 def test_unknown_dataset():
   with pytest.raises(model_registry.ModelRegistryError, match='Train, Dev'):
-    model_registry.GetParams(_NAME, 'Validation')
+    model_registry.get_params(_NAME, 'Validation')
 
 
 def test_register_rejects_non_configs_and_clashes():
   with pytest.raises(model_registry.ModelRegistryError, match='subclass'):
     model_registry.RegisterSingleTaskModel(int)
 
-  def Make():
+  def make():
     class Clash(base_model.SingleTaskModelParams):
       pass
     return Clash
 
-  first = Make()
+  first = make()
   first.__qualname__ = 'First'
-  second = Make()
+  second = make()
   model_registry.RegisterSingleTaskModel(first)
   try:
     with pytest.raises(model_registry.ModelRegistryError, match='twice'):
       model_registry.RegisterSingleTaskModel(second)
   finally:
-    model_registry._MODELS.pop(model_registry.ModelName(first))
+    model_registry._MODELS.pop(model_registry.model_name(first))
 
 
 def test_registry_defines_no_flags():

@@ -17,7 +17,7 @@ import tensorflow as tf
 from lingvo_pipe.core.nested_map import NestedMap
 
 
-def _Theta() -> NestedMap:
+def _theta() -> NestedMap:
   return NestedMap(
       w=np.ones([2]),
       fc=NestedMap(w=np.zeros([2, 3]), b=np.arange(3)),
@@ -67,7 +67,7 @@ def test_non_identifier_keys_are_rejected(key):
 
 
 def test_tf_nest_flatten_pack_round_trip_keeps_the_type():
-  m = _Theta()
+  m = _theta()
   leaves = tf.nest.flatten(m)
   packed = tf.nest.pack_sequence_as(m, leaves)
   assert type(packed) is NestedMap and type(packed.fc) is NestedMap
@@ -79,7 +79,7 @@ def test_tf_nest_flatten_pack_round_trip_keeps_the_type():
 
 
 def test_flatten_items_paths_follow_tf_nest_order():
-  m = _Theta()
+  m = _theta()
   items = m.FlattenItems()
   assert [k for k, _ in items] == [
       'fc.b', 'fc.w', 'layers[0].b', 'layers[1].b', 'layers[1].g[0]',
@@ -90,7 +90,7 @@ def test_flatten_items_paths_follow_tf_nest_order():
 def test_get_item_reads_every_flatten_items_path():
   # Regression: GetItem did not understand the '[i]' that FlattenItems
   # writes for lists.
-  m = _Theta()
+  m = _theta()
   for path, leaf in m.FlattenItems():
     assert m.GetItem(path) is leaf
   assert m.GetItem('fc') is m.fc
@@ -105,11 +105,11 @@ def test_get_item_reads_every_flatten_items_path():
 ])
 def test_get_item_errors_name_the_missing_part(path, match):
   with pytest.raises(KeyError, match=match):
-    _Theta().GetItem(path)
+    _theta().GetItem(path)
 
 
 def test_deep_copy_copies_containers_and_shares_leaves():
-  m = _Theta()
+  m = _theta()
   c = m.DeepCopy()
   assert type(c) is NestedMap and type(c.layers[0]) is NestedMap
   c.fc.w = 'changed'
@@ -128,7 +128,7 @@ def test_transform_applies_to_every_leaf():
 
 
 def test_copy_pickle_and_deepcopy_keep_the_type():
-  m = _Theta()
+  m = _theta()
   shallow = m.copy()
   assert type(shallow) is NestedMap and shallow.fc is m.fc
   for other in (copy.deepcopy(m), pickle.loads(pickle.dumps(m))):
@@ -138,8 +138,8 @@ def test_copy_pickle_and_deepcopy_keep_the_type():
 
 def test_crosses_tf_function():
   @tf.function
-  def Double(m):
+  def double(m):
     return m.Transform(lambda x: 2 * x)
 
-  out = Double(NestedMap(a=tf.constant(1.0), b=NestedMap(c=tf.constant(2.0))))
+  out = double(NestedMap(a=tf.constant(1.0), b=NestedMap(c=tf.constant(2.0))))
   assert type(out) is NestedMap and float(out.b.c) == 4.0

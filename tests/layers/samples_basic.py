@@ -24,38 +24,38 @@ from lingvo_pipe.layers import shape
 S = tf.TensorShape
 
 
-def _Fc(din, dout, **kwargs):
+def _fc(din, dout, **kwargs):
   return linear.FCLayer.Params().Set(input_dim=din, output_dim=dout, **kwargs)
 
 
-def _Conv(cls, filter_shape, **kwargs):
+def _conv(cls, filter_shape, **kwargs):
   return cls.Params().Set(filter_shape=filter_shape, **kwargs)
 
 
 SAMPLES = {
     linear.FCLayer: [
-        (_Fc(4, 3), (S([2, 4]),), None),
-        (_Fc(4, 5, activation='GELU', has_bias=False), (S([2, 3, 4]),), None),
-        (_Fc(6, 2, activation='TANH', fprop_dtype=tf.float32),
+        (_fc(4, 3), (S([2, 4]),), None),
+        (_fc(4, 5, activation='GELU', has_bias=False), (S([2, 3, 4]),), None),
+        (_fc(6, 2, activation='TANH', fprop_dtype=tf.float32),
          (S([2, 2, 3, 6]),), None),
     ],
     conv.Conv2DLayer: [
-        (_Conv(conv.Conv2DLayer, (3, 3, 2, 4)), (S([2, 6, 5, 2]),), None),
-        (_Conv(conv.Conv2DLayer, (3, 2, 2, 3), filter_stride=(2, 1),
+        (_conv(conv.Conv2DLayer, (3, 3, 2, 4)), (S([2, 6, 5, 2]),), None),
+        (_conv(conv.Conv2DLayer, (3, 2, 2, 3), filter_stride=(2, 1),
                padding='VALID', activation='RELU'), (S([2, 7, 6, 2]),), None),
-        (_Conv(conv.Conv2DLayer, (3, 3, 2, 2), dilation_rate=(2, 2),
+        (_conv(conv.Conv2DLayer, (3, 3, 2, 2), dilation_rate=(2, 2),
                has_bias=False), (S([1, 8, 8, 2]),), None),
     ],
     conv.DepthwiseConv2DLayer: [
-        (_Conv(conv.DepthwiseConv2DLayer, (3, 3, 3, 2)), (S([2, 5, 5, 3]),),
+        (_conv(conv.DepthwiseConv2DLayer, (3, 3, 3, 2)), (S([2, 5, 5, 3]),),
          None),
-        (_Conv(conv.DepthwiseConv2DLayer, (3, 3, 2, 1), filter_stride=(2, 2),
+        (_conv(conv.DepthwiseConv2DLayer, (3, 3, 2, 1), filter_stride=(2, 2),
                padding='VALID'), (S([2, 7, 8, 2]),), None),
     ],
     conv.SeparableConv2DLayer: [
-        (_Conv(conv.SeparableConv2DLayer, (3, 3, 3, 4), relu_first=True),
+        (_conv(conv.SeparableConv2DLayer, (3, 3, 3, 4), relu_first=True),
          (S([2, 6, 6, 3]),), None),
-        (_Conv(conv.SeparableConv2DLayer, (5, 5, 2, 3), channel_multiplier=2,
+        (_conv(conv.SeparableConv2DLayer, (5, 5, 2, 3), channel_multiplier=2,
                filter_stride=(2, 2), activation='RELU6'),
          (S([1, 9, 9, 2]),), None),
     ],
@@ -87,19 +87,19 @@ SAMPLES = {
     ],
     sequential.SequentialLayer: [
         (sequential.SequentialLayer.Params().Set(sub=[
-            _Fc(4, 6, activation='RELU'),
+            _fc(4, 6, activation='RELU'),
             dropout.DropoutLayer.Params().Set(dropout_rate=0.2),
-            _Fc(6, 2)]), (S([3, 4]),), None),
+            _fc(6, 2)]), (S([3, 4]),), None),
         (sequential.SequentialLayer.Params().Set(sub=[
-            _Conv(conv.Conv2DLayer, (3, 3, 2, 4)),
+            _conv(conv.Conv2DLayer, (3, 3, 2, 4)),
             normalization.BatchNormLayer.Params().Set(dim=4),
             pooling.PoolingLayer.Params(),
             shape.FlattenLayer.Params(),
-            _Fc(36, 3)]), (S([2, 6, 6, 2]),), None),
+            _fc(36, 3)]), (S([2, 6, 6, 2]),), None),
     ],
     sequential.RepeatLayer: [
         (sequential.RepeatLayer.Params().Set(
-            body=_Fc(5, 5, activation='SWISH'), repeat=3), (S([2, 5]),),
+            body=_fc(5, 5, activation='SWISH'), repeat=3), (S([2, 5]),),
          None),
     ],
     shape.IdentityLayer: [

@@ -18,48 +18,48 @@ from lingvo_pipe.layers import transformer
 VOCAB, D = 11, 8
 
 
-def _List(shape: Any) -> list[int]:
+def _list(shape: Any) -> list[int]:
   return tf.TensorShape(shape).as_list()
 
 
-def _Integers(rng: Any, high: int, size: Sequence[int]) -> np.ndarray:
+def _integers(rng: Any, high: int, size: Sequence[int]) -> np.ndarray:
   """Ints in [0, high) from a numpy Generator or RandomState."""
   draw = getattr(rng, 'integers', None) or rng.randint
   return np.asarray(draw(0, high, size=size))
 
 
-def _Paddings(rng: Any, shape: Any) -> tf.Tensor:
+def _paddings(rng: Any, shape: Any) -> tf.Tensor:
   """[B, T] right padding: row b has a random length in [0, T]."""
-  b, t = _List(shape)
-  lengths = _Integers(rng, t + 1, [b])
+  b, t = _list(shape)
+  lengths = _integers(rng, t + 1, [b])
   lengths[0] = t  # At least one full row ...
   if b > 1:
     lengths[-1] = 0  # ... and one fully padded row.
   return tf.constant(np.arange(t)[None, :] >= lengths[:, None], tf.float32)
 
 
-def _Floats(rng: Any, shape: Any) -> tf.Tensor:
-  return tf.constant(rng.uniform(-1.0, 1.0, size=_List(shape)), tf.float32)
+def _floats(rng: Any, shape: Any) -> tf.Tensor:
+  return tf.constant(rng.uniform(-1.0, 1.0, size=_list(shape)), tf.float32)
 
 
-def _Maker(kinds: str) -> Callable[[Sequence[Any], Any], tuple[Any, ...]]:
+def _maker(kinds: str) -> Callable[[Sequence[Any], Any], tuple[Any, ...]]:
   """kinds[i] is 'f' (floats), 'p' (paddings) or 'i' (ids) for input i."""
 
-  def Make(shapes: Sequence[Any], rng: Any) -> tuple[Any, ...]:
+  def make(shapes: Sequence[Any], rng: Any) -> tuple[Any, ...]:
     out = []
     for kind, shape in zip(kinds, shapes):
       if kind == 'p':
-        out.append(_Paddings(rng, shape))
+        out.append(_paddings(rng, shape))
       elif kind == 'i':
-        out.append(tf.constant(_Integers(rng, VOCAB, _List(shape)), tf.int32))
+        out.append(tf.constant(_integers(rng, VOCAB, _list(shape)), tf.int32))
       else:
-        out.append(_Floats(rng, shape))
+        out.append(_floats(rng, shape))
     return tuple(out)
 
-  return Make
+  return make
 
 
-def _Tr(cls: type, **kwargs: Any) -> Any:
+def _tr(cls: type, **kwargs: Any) -> Any:
   p = cls.Params().Set(name=cls.__name__.lower(), input_dim=D, num_heads=2,
                        hidden_dim=16)
   return p.Set(**kwargs)
@@ -74,7 +74,7 @@ SAMPLES = {
     embedding.EmbeddingLayer: [
         (embedding.EmbeddingLayer.Params().Set(
             name='emb', vocab_size=VOCAB, embedding_dim=D,
-            scale_sqrt_depth=True), ([2, 5],), _Maker('i')),
+            scale_sqrt_depth=True), ([2, 5],), _maker('i')),
     ],
     embedding.PositionalEmbeddingLayer: [
         (embedding.PositionalEmbeddingLayer.Params().Set(
@@ -90,19 +90,19 @@ SAMPLES = {
     ],
     attention.MultiHeadAttention: [
         (_MHA.Copy().Set(causal=True, atten_dropout_prob=0.1),
-         ([2, 5, D], [2, 5, D], [2, 5]), _Maker('ffp')),
+         ([2, 5, D], [2, 5, D], [2, 5]), _maker('ffp')),
         (_MHA.Copy().Set(num_heads=3, hidden_dim=12, use_bias=False),
-         ([2, 3, D], [2, 6, D], [2, 6]), _Maker('ffp')),
+         ([2, 3, D], [2, 6, D], [2, 6]), _maker('ffp')),
     ],
     transformer.TransformerAttentionLayer: [
         (transformer.TransformerAttentionLayer.Params().Set(
             name='self_atten', input_dim=D, num_heads=2, causal=True,
             atten_dropout_prob=0.1, residual_dropout_prob=0.1),
-         ([2, 5, D], [2, 5]), _Maker('fp')),
+         ([2, 5, D], [2, 5]), _maker('fp')),
         (transformer.TransformerAttentionLayer.Params().Set(
             name='cross_atten', input_dim=D, num_heads=2,
             pre_layer_norm=False),
-         ([2, 3, D], [2, 6], [2, 6, D]), _Maker('fpf')),
+         ([2, 3, D], [2, 6], [2, 6, D]), _maker('fpf')),
     ],
     transformer.TransformerFeedForwardLayer: [
         (transformer.TransformerFeedForwardLayer.Params().Set(
@@ -113,16 +113,16 @@ SAMPLES = {
             pre_layer_norm=False, init_scale=0.5), ([3, D],), None),
     ],
     transformer.TransformerEncoderLayer: [
-        (_Tr(transformer.TransformerEncoderLayer, **_DROPOUTS),
-         ([2, 5, D], [2, 5]), _Maker('fp')),
-        (_Tr(transformer.TransformerEncoderLayer, pre_layer_norm=False),
-         ([2, 5, D], [2, 5]), _Maker('fp')),
+        (_tr(transformer.TransformerEncoderLayer, **_DROPOUTS),
+         ([2, 5, D], [2, 5]), _maker('fp')),
+        (_tr(transformer.TransformerEncoderLayer, pre_layer_norm=False),
+         ([2, 5, D], [2, 5]), _maker('fp')),
     ],
     transformer.TransformerDecoderLayer: [
-        (_Tr(transformer.TransformerDecoderLayer, **_DROPOUTS),
-         ([2, 5, D], [2, 5], [2, 4, D], [2, 4]), _Maker('fpfp')),
-        (_Tr(transformer.TransformerDecoderLayer, pre_layer_norm=False,
+        (_tr(transformer.TransformerDecoderLayer, **_DROPOUTS),
+         ([2, 5, D], [2, 5], [2, 4, D], [2, 4]), _maker('fpfp')),
+        (_tr(transformer.TransformerDecoderLayer, pre_layer_norm=False,
              ffn_init_scale=0.5),
-         ([2, 5, D], [2, 5], [2, 4, D], [2, 4]), _Maker('fpfp')),
+         ([2, 5, D], [2, 5], [2, 4, D], [2, 4]), _maker('fpfp')),
     ],
 }

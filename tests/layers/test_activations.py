@@ -27,7 +27,7 @@ def test_every_name_has_a_reference():
 @pytest.mark.parametrize('name', sorted(_REFERENCE))
 def test_activation_matches_numpy(name):
   x = np.linspace(-8, 8, 101)
-  got = activations.GetActivation(name)(x.astype(np.float32))
+  got = activations.get_activation(name)(x.astype(np.float32))
   np.testing.assert_allclose(np.asarray(got), _REFERENCE[name](x),
                              rtol=1e-5, atol=1e-6)
 
@@ -36,9 +36,9 @@ def test_unknown_name_suggests_the_closest():
   with pytest.raises(base_layer.LayerError,
                      match=r"fc: activation: unknown activation 'relu'. "
                      r"Did you mean 'RELU'"):
-    activations.GetActivation('relu', 'fc: activation')
+    activations.get_activation('relu', 'fc: activation')
 
 
 def test_flops():
-  assert activations.ActivationFlops('NONE', 10) == 0
-  assert activations.ActivationFlops('TANH', 10) == 10
+  assert activations.activation_flops('NONE', 10) == 0
+  assert activations.activation_flops('TANH', 10) == 10

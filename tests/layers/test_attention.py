@@ -11,7 +11,7 @@ from lingvo_pipe.layers import attention
 D, N, HD = 8, 2, 12
 
 
-def _Layer(**kwargs):
+def _layer(**kwargs):
   p = attention.MultiHeadAttention.Params().Set(
       name='atten', input_dim=D, num_heads=N, hidden_dim=HD, **kwargs)
   layer = p.Instantiate()
@@ -22,7 +22,7 @@ def _Layer(**kwargs):
   return layer
 
 
-def _Reference(theta, query, key_value, paddings, causal):
+def _reference(theta, query, key_value, paddings, causal):
   """float64 numpy multi-head attention."""
   t = {k: v.numpy().astype(np.float64) for k, v in theta.items()}
   q = np.einsum('btd,dnh->btnh', query, t['query_w']) + t['query_b']
@@ -40,7 +40,7 @@ def _Reference(theta, query, key_value, paddings, causal):
   return np.einsum('bqnh,nhd->bqd', ctx, t['post_w']) + t['post_b']
 
 
-def _Inputs(b=3, tq=5, tk=5):
+def _inputs(b=3, tq=5, tk=5):
   query = np.random.normal(size=[b, tq, D])
   key_value = np.random.normal(size=[b, tk, D])
   paddings = np.zeros([b, tk])
@@ -51,28 +51,28 @@ def _Inputs(b=3, tq=5, tk=5):
 
 @pytest.mark.parametrize('causal', [False, True])
 def test_matches_float64_reference(causal):
-  layer = _Layer(causal=causal)
-  query, key_value, paddings = _Inputs()
+  layer = _layer(causal=causal)
+  query, key_value, paddings = _inputs()
   if causal:
     key_value = query  # Self-attention.
   out = layer.FProp(layer.theta, tf.constant(query, tf.float32),
                     tf.constant(key_value, tf.float32),
                     tf.constant(paddings, tf.float32))
-  want = _Reference(layer.theta, query, key_value, paddings, causal)
+  want = _reference(layer.theta, query, key_value, paddings, causal)
   np.testing.assert_allclose(out.numpy(), want, atol=1e-5, rtol=1e-5)
 
 
 def test_cross_attention_with_other_key_length():
-  layer = _Layer()
-  query, key_value, paddings = _Inputs(tq=3, tk=7)
+  layer = _layer()
+  query, key_value, paddings = _inputs(tq=3, tk=7)
   out = layer.FProp(layer.theta, query.astype(np.float32),
                     key_value.astype(np.float32), paddings)
-  want = _Reference(layer.theta, query, key_value, paddings, False)
+  want = _reference(layer.theta, query, key_value, paddings, False)
   np.testing.assert_allclose(out.numpy(), want, atol=1e-5, rtol=1e-5)
 
 
 def test_causal_output_ignores_the_future():
-  layer = _Layer(causal=True)
+  layer = _layer(causal=True)
   x = np.random.normal(size=[2, 6, D]).astype(np.float32)
   base = layer.FProp(layer.theta, x, x).numpy()
   for t in range(5):
@@ -84,8 +84,8 @@ def test_causal_output_ignores_the_future():
 
 
 def test_padded_keys_do_not_influence_outputs():
-  layer = _Layer()
-  query, key_value, paddings = _Inputs(tk=6)
+  layer = _layer()
+  query, key_value, paddings = _inputs(tk=6)
   paddings[:] = 0.0
   paddings[:, 3:] = 1.0
   base = layer.FProp(layer.theta, query, key_value, paddings).numpy()
@@ -96,7 +96,7 @@ def test_padded_keys_do_not_influence_outputs():
 
 @pytest.mark.parametrize('dtype', [tf.float32, tf.bfloat16])
 def test_fully_padded_rows_give_no_nan(dtype):
-  layer = _Layer(causal=True, fprop_dtype=dtype)
+  layer = _layer(causal=True, fprop_dtype=dtype)
   x = tf.random.normal([2, 4, D])
   paddings = tf.constant([[1.0] * 4, [0.0, 0.0, 1.0, 1.0]])
   out = layer.FProp(layer.theta, x, x, paddings)
@@ -105,34 +105,34 @@ def test_fully_padded_rows_give_no_nan(dtype):
 
 
 def test_atten_dropout_is_deterministic_per_step_and_off_in_eval():
-  layer = _Layer(atten_dropout_prob=0.5)
-  query, key_value, paddings = _Inputs()
+  layer = _layer(atten_dropout_prob=0.5)
+  query, key_value, paddings = _inputs()
   run = lambda: layer.FProp(layer.theta, query, key_value, paddings).numpy()
   evaluated = run()
-  with fprop_context.Scope(training=True, step=3, num_micro_batches=1):
+  with fprop_context.scope(training=True, step=3, num_micro_batches=1):
     first, second = run(), run()
-  with fprop_context.Scope(training=True, step=4, num_micro_batches=1):
+  with fprop_context.scope(training=True, step=4, num_micro_batches=1):
     other_step = run()
   np.testing.assert_array_equal(first, second)
   assert not np.allclose(first, evaluated)
   assert not np.allclose(first, other_step)
-  want = _Reference(layer.theta, query, key_value, paddings, False)
+  want = _reference(layer.theta, query, key_value, paddings, False)
   np.testing.assert_allclose(evaluated, want, atol=1e-5, rtol=1e-5)
 
 
 def test_extend_step_equals_full_causal_fprop():
-  layer = _Layer(causal=True)
+  layer = _layer(causal=True)
   x = tf.random.normal([2, 5, D])
   full = layer.FProp(layer.theta, x, x)
 
   @tf.function
-  def Step(x_t, cache, t):
+  def step(x_t, cache, t):
     return layer.ExtendStep(layer.theta, x_t, cache, t)
 
   cache = layer.InitCache(2, 7)  # Longer than needed: the tail stays unused.
   outs = []
   for t in range(5):
-    out, cache = Step(x[:, t:t + 1], cache, tf.constant(t))
+    out, cache = step(x[:, t:t + 1], cache, tf.constant(t))
     outs.append(out)
   np.testing.assert_allclose(tf.concat(outs, 1).numpy(), full.numpy(),
                              atol=1e-5)
@@ -140,8 +140,8 @@ def test_extend_step_equals_full_causal_fprop():
 
 
 def test_attend_to_cached_memory_equals_fprop():
-  layer = _Layer()
-  query, key_value, paddings = _Inputs(tq=2, tk=6)
+  layer = _layer()
+  query, key_value, paddings = _inputs(tq=2, tk=6)
   kv = layer.ProjectKeyValue(layer.theta, key_value)
   np.testing.assert_allclose(
       layer.AttendTo(layer.theta, query, kv, paddings).numpy(),
@@ -167,7 +167,7 @@ def test_errors_name_the_layer_and_the_fix():
       name='enc', input_dim=8, num_heads=3)
   with pytest.raises(base_layer.LayerError, match=r'enc.*num_heads 3'):
     p.Instantiate()
-  layer = _Layer(causal=True)
+  layer = _layer(causal=True)
   with pytest.raises(base_layer.LayerError, match=r'atten: query .*\[B, T, 8'):
     layer.FProp(layer.theta, tf.zeros([1, 2, 4]), tf.zeros([1, 2, 8]))
   with pytest.raises(base_layer.LayerError, match='Tq=2, Tk=3'):

@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(__file__))  # For the samples modules.
 _SAMPLE_MODULES = ('samples_basic', 'samples_seq')
 
 
-def DiscoverLayers():
+def discover_layers():
   """Public BaseLayer subclasses defined in lingvo_pipe.layers.* modules."""
   found = []
   package = lingvo_pipe.layers
@@ -42,7 +42,7 @@ def DiscoverLayers():
   return sorted(found, key=lambda c: (c.__module__, c.__name__))
 
 
-def LoadSamples():
+def load_samples():
   """(samples, no_compute, not_linear_in_batch) from the samples modules."""
   samples, no_compute, not_linear = {}, set(), set()
   for name in _SAMPLE_MODULES:
@@ -59,14 +59,14 @@ def LoadSamples():
   return samples, no_compute, not_linear
 
 
-def MissingSamples(classes, samples):
+def missing_samples(classes, samples):
   """Names of the classes that have no sample."""
   return [f'{c.__module__}.{c.__name__}' for c in classes
           if not samples.get(c)]
 
 
 # ---- The checker ------------------------------------------------------------
-def _MakeInputs(shapes, input_maker, rng):
+def _make_inputs(shapes, input_maker, rng):
   if input_maker is not None:
     return tuple(input_maker(shapes, rng))
   return tf.nest.map_structure(
@@ -74,11 +74,11 @@ def _MakeInputs(shapes, input_maker, rng):
       tuple(shapes))
 
 
-def _AsTuple(out):
+def _as_tuple(out):
   return out if isinstance(out, tuple) else (out,)
 
 
-def _AssertAllClose(a, b, what, exact=False):
+def _assert_all_close(a, b, what, exact=False):
   tf.nest.assert_same_structure(a, b, check_types=False)
   for x, y in zip(tf.nest.flatten(a), tf.nest.flatten(b)):
     x, y = np.asarray(x), np.asarray(y)
@@ -88,16 +88,16 @@ def _AssertAllClose(a, b, what, exact=False):
       np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-5, err_msg=what)
 
 
-def _DoubleBatch(shapes):
+def _double_batch(shapes):
   return tf.nest.map_structure(
       lambda s: s if s.rank == 0 else tf.TensorShape([2 * s[0]] + s[1:]),
       tuple(shapes))
 
 
-def _CheckMeta(cls, p, shapes, outputs, layer, has_compute, linear_in_batch):
+def _check_meta(cls, p, shapes, outputs, layer, has_compute, linear_in_batch):
   name = cls.__name__
   meta = cls.FPropMeta(p, *shapes)
-  real = tf.nest.map_structure(lambda t: t.shape, _AsTuple(outputs))
+  real = tf.nest.map_structure(lambda t: t.shape, _as_tuple(outputs))
   try:
     tf.nest.assert_same_structure(meta.out_shapes, real, check_types=False)
   except (ValueError, TypeError) as e:
@@ -115,49 +115,49 @@ def _CheckMeta(cls, p, shapes, outputs, layer, has_compute, linear_in_batch):
   if has_compute:
     assert meta.flops > 0, f'{name}: FPropMeta flops must be > 0'
   if linear_in_batch:
-    doubled = cls.FPropMeta(p, *_DoubleBatch(shapes)).flops
+    doubled = cls.FPropMeta(p, *_double_batch(shapes)).flops
     assert doubled == 2 * meta.flops, (
         f'{name}: flops {meta.flops} at batch B but {doubled} at 2B')
 
 
-def CheckLayer(cls, p, shapes, input_maker=None, has_compute=True,
-               linear_in_batch=True):
+def check_layer(cls, p, shapes, input_maker=None, has_compute=True,
+                linear_in_batch=True):
   """Raises AssertionError if layer `cls` breaks the contract on `shapes`."""
   name = cls.__name__
-  shapes = base_layer.AsShape(tuple(shapes))
+  shapes = base_layer.as_shape(tuple(shapes))
   layer = p.Copy().Instantiate()
-  inputs = _MakeInputs(shapes, input_maker, np.random.default_rng(0))
+  inputs = _make_inputs(shapes, input_maker, np.random.default_rng(0))
 
   eager = layer.FProp(layer.theta, *inputs)
   traced = tf.function(lambda theta, *xs: layer.FProp(theta, *xs))
-  _AssertAllClose(eager, traced(layer.theta, *inputs),
-                  f'{name}: FProp differs eagerly and under tf.function')
-  _CheckMeta(cls, p, shapes, eager, layer, has_compute, linear_in_batch)
+  _assert_all_close(eager, traced(layer.theta, *inputs),
+                    f'{name}: FProp differs eagerly and under tf.function')
+  _check_meta(cls, p, shapes, eager, layer, has_compute, linear_in_batch)
 
-  with fprop_context.Scope(training=True, step=3, micro_batch_index=0,
+  with fprop_context.scope(training=True, step=3, micro_batch_index=0,
                            num_micro_batches=1):
     first = layer.FProp(layer.theta, *inputs)
     second = layer.FProp(layer.theta, *inputs)
     # A fresh trace: the context is read when tracing, not when running.
     retraced = tf.function(lambda theta, *xs: layer.FProp(theta, *xs))
     again_traced = retraced(layer.theta, *inputs)
-  _AssertAllClose(first, second, f'{name}: FProp is not stateless in '
-                  'training (same theta, inputs, step)', exact=True)
-  _AssertAllClose(first, again_traced, f'{name}: training FProp differs '
-                  'under tf.function')
+  _assert_all_close(first, second, f'{name}: FProp is not stateless in '
+                    'training (same theta, inputs, step)', exact=True)
+  _assert_all_close(first, again_traced, f'{name}: training FProp differs '
+                    'under tf.function')
 
   parsed = cls.Params().FromText(p.ToText())
   assert parsed == p, (f'{name}: Params do not round-trip through text:\n'
                        f'{p.TextDiff(parsed)}')
 
   twin = p.Copy().Instantiate()
-  _AssertAllClose(layer.theta, twin.theta, f'{name}: two instantiations of '
-                  'the same Params have different initial weights',
-                  exact=True)
+  _assert_all_close(layer.theta, twin.theta, f'{name}: two instantiations of '
+                    'the same Params have different initial weights',
+                    exact=True)
 
 
 # ---- The suite --------------------------------------------------------------
-_SAMPLES, _NO_COMPUTE, _NOT_LINEAR = LoadSamples()
+_SAMPLES, _NO_COMPUTE, _NOT_LINEAR = load_samples()
 _CASES = [
     pytest.param(cls, p, shapes, maker, id=f'{cls.__name__}-{i}')
     for cls in sorted(_SAMPLES, key=lambda c: c.__name__)
@@ -166,7 +166,7 @@ _CASES = [
 
 
 def test_every_layer_has_a_sample():
-  missing = MissingSamples(DiscoverLayers(), _SAMPLES)
+  missing = missing_samples(discover_layers(), _SAMPLES)
   assert not missing, (
       f'Layers without a conformance sample: {missing}. Add (params, '
       'input_shapes, input_maker) entries to SAMPLES in tests/layers/'
@@ -175,8 +175,8 @@ def test_every_layer_has_a_sample():
 
 @pytest.mark.parametrize('cls, p, shapes, maker', _CASES)
 def test_layer_conforms(cls, p, shapes, maker):
-  CheckLayer(cls, p, shapes, maker, has_compute=cls not in _NO_COMPUTE,
-             linear_in_batch=cls not in _NOT_LINEAR)
+  check_layer(cls, p, shapes, maker, has_compute=cls not in _NO_COMPUTE,
+              linear_in_batch=cls not in _NOT_LINEAR)
 
 
 # ---- The checker rejects broken layers --------------------------------------
@@ -198,7 +198,7 @@ class _Scale(base_layer.BaseLayer):
 
   @classmethod
   def FPropMeta(cls, p, x):
-    return base_layer.LayerMeta.Build(p, flops=x.num_elements(),
+    return base_layer.LayerMeta.build(p, flops=x.num_elements(),
                                       out_shapes=(x,), num_params=p.dim)
 
 
@@ -206,7 +206,7 @@ class _WrongShape(_Scale):
 
   @classmethod
   def FPropMeta(cls, p, x):
-    return base_layer.LayerMeta.Build(p, flops=x.num_elements(),
+    return base_layer.LayerMeta.build(p, flops=x.num_elements(),
                                       out_shapes=(x[:-1],), num_params=p.dim)
 
 
@@ -214,7 +214,7 @@ class _WrongParams(_Scale):
 
   @classmethod
   def FPropMeta(cls, p, x):
-    return base_layer.LayerMeta.Build(p, flops=x.num_elements(),
+    return base_layer.LayerMeta.build(p, flops=x.num_elements(),
                                       out_shapes=(x,), num_params=1)
 
 
@@ -222,7 +222,7 @@ class _FlopsIgnoreBatch(_Scale):
 
   @classmethod
   def FPropMeta(cls, p, x):
-    return base_layer.LayerMeta.Build(p, flops=p.dim, out_shapes=(x,),
+    return base_layer.LayerMeta.build(p, flops=p.dim, out_shapes=(x,),
                                       num_params=p.dim)
 
 
@@ -240,7 +240,7 @@ class _NoMeta(base_layer.BaseLayer):
 
 
 def test_checker_accepts_a_correct_layer():
-  CheckLayer(_Scale, _Scale.Params(), ([2, 3],))
+  check_layer(_Scale, _Scale.Params(), ([2, 3],))
 
 
 @pytest.mark.parametrize('cls, match', [
@@ -251,14 +251,14 @@ def test_checker_accepts_a_correct_layer():
 ])
 def test_checker_rejects_broken_layers(cls, match):
   with pytest.raises(AssertionError, match=match):
-    CheckLayer(cls, cls.Params(), ([2, 3],))
+    check_layer(cls, cls.Params(), ([2, 3],))
 
 
 def test_checker_rejects_missing_fpropmeta():
   with pytest.raises(NotImplementedError, match='_NoMeta must implement'):
-    CheckLayer(_NoMeta, _NoMeta.Params(), ([2, 3],))
+    check_layer(_NoMeta, _NoMeta.Params(), ([2, 3],))
 
 
 def test_missing_samples_names_the_class():
-  assert MissingSamples([_Scale], {}) == [f'{__name__}._Scale']
-  assert not MissingSamples([_Scale], {_Scale: [(_Scale.Params(), (), None)]})
+  assert missing_samples([_Scale], {}) == [f'{__name__}._Scale']
+  assert not missing_samples([_Scale], {_Scale: [(_Scale.Params(), (), None)]})

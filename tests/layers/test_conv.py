@@ -10,7 +10,7 @@ from lingvo_pipe.core import base_layer
 from lingvo_pipe.layers import conv
 
 
-def _Pads(n, k, s, d, padding):
+def _pads(n, k, s, d, padding):
   """(pad_before, pad_after, out) along one dim, TensorFlow's convention."""
   eff = (k - 1) * d + 1
   if padding == 'VALID':
@@ -20,10 +20,10 @@ def _Pads(n, k, s, d, padding):
   return total // 2, total - total // 2, out
 
 
-def WindowPatches(x, window, stride, dilation, padding, pad_value=0.0):
+def window_patches(x, window, stride, dilation, padding, pad_value=0.0):
   """[(i, j, patch [B, H', W', C])]: the input seen by window offset (i, j)."""
   (t, b, ho), (l, r, wo) = (
-      _Pads(x.shape[k + 1], window[k], stride[k], dilation[k], padding)
+      _pads(x.shape[k + 1], window[k], stride[k], dilation[k], padding)
       for k in (0, 1))
   xp = np.pad(x, [(0, 0), (t, b), (l, r), (0, 0)], constant_values=pad_value)
   out = []
@@ -35,10 +35,10 @@ def WindowPatches(x, window, stride, dilation, padding, pad_value=0.0):
   return out
 
 
-def RefConv(x, w, stride, dilation, padding, depthwise=False):
+def ref_conv(x, w, stride, dilation, padding, depthwise=False):
   """Direct NHWC convolution in float64 (filter HWIO, or H W C mult)."""
   out = 0.0
-  for i, j, patch in WindowPatches(x, w.shape[:2], stride, dilation, padding):
+  for i, j, patch in window_patches(x, w.shape[:2], stride, dilation, padding):
     if depthwise:  # [B, H', W', C, mult] → [B, H', W', C·mult]
       out = out + (patch[..., None] * w[i, j]).reshape(patch.shape[:3] +
                                                        (-1,))
@@ -57,7 +57,7 @@ _CASES = [  # (H, W, kh, kw, stride, dilation, padding)
 ]
 
 
-def _Build(cls, fs, stride, dilation, padding, **kwargs):
+def _build(cls, fs, stride, dilation, padding, **kwargs):
   p = cls.Params().Set(name='conv', filter_shape=fs, filter_stride=stride,
                        dilation_rate=dilation, padding=padding,
                        bias_init=base_layer.WeightInit.Gaussian(1.0),
@@ -65,18 +65,18 @@ def _Build(cls, fs, stride, dilation, padding, **kwargs):
   return p, p.Instantiate()
 
 
-def _Float64(v):
+def _float64(v):
   return v.numpy().astype(np.float64)
 
 
 @pytest.mark.parametrize('h, w, kh, kw, stride, dilation, padding', _CASES)
 def test_conv2d_matches_reference(h, w, kh, kw, stride, dilation, padding):
-  p, layer = _Build(conv.Conv2DLayer, (kh, kw, 3, 4), stride, dilation,
+  p, layer = _build(conv.Conv2DLayer, (kh, kw, 3, 4), stride, dilation,
                     padding, activation='RELU')
   x = np.random.randn(2, h, w, 3)
   got = layer.FProp(layer.theta, tf.constant(x, tf.float32)).numpy()
-  want = np.maximum(RefConv(x, _Float64(layer.theta.w), stride, dilation,
-                            padding) + _Float64(layer.theta.b), 0)
+  want = np.maximum(ref_conv(x, _float64(layer.theta.w), stride, dilation,
+                             padding) + _float64(layer.theta.b), 0)
   assert got.shape == want.shape
   np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
   meta = conv.Conv2DLayer.FPropMeta(p, tf.TensorShape(x.shape))
@@ -88,12 +88,12 @@ def test_conv2d_matches_reference(h, w, kh, kw, stride, dilation, padding):
 @pytest.mark.parametrize('h, w, kh, kw, stride, dilation, padding',
                          [c for c in _CASES if c[4][0] == c[4][1]])
 def test_depthwise_matches_reference(h, w, kh, kw, stride, dilation, padding):
-  p, layer = _Build(conv.DepthwiseConv2DLayer, (kh, kw, 3, 2), stride,
+  p, layer = _build(conv.DepthwiseConv2DLayer, (kh, kw, 3, 2), stride,
                     dilation, padding)
   x = np.random.randn(2, h, w, 3)
   got = layer.FProp(layer.theta, tf.constant(x, tf.float32)).numpy()
-  want = RefConv(x, _Float64(layer.theta.w), stride, dilation, padding,
-                 depthwise=True) + _Float64(layer.theta.b)
+  want = ref_conv(x, _float64(layer.theta.w), stride, dilation, padding,
+                  depthwise=True) + _float64(layer.theta.b)
   np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
   meta = conv.DepthwiseConv2DLayer.FPropMeta(p, tf.TensorShape(x.shape))
   assert meta.out_shapes == (tf.TensorShape(want.shape),)
@@ -101,15 +101,15 @@ def test_depthwise_matches_reference(h, w, kh, kw, stride, dilation, padding):
 
 
 def test_separable_is_relu_depthwise_then_pointwise():
-  p, layer = _Build(conv.SeparableConv2DLayer, (3, 3, 3, 5), (2, 2), (1, 1),
+  p, layer = _build(conv.SeparableConv2DLayer, (3, 3, 3, 5), (2, 2), (1, 1),
                     'SAME', relu_first=True, channel_multiplier=2)
   assert layer.children.depthwise.path == 'conv.depthwise'
   x = np.random.randn(2, 7, 7, 3)
   dw, pw = layer.theta.depthwise, layer.theta.pointwise
   assert 'b' not in dw
-  mid = RefConv(np.maximum(x, 0), _Float64(dw.w), (2, 2), (1, 1), 'SAME',
-                depthwise=True)
-  want = mid @ _Float64(pw.w)[0, 0] + _Float64(pw.b)
+  mid = ref_conv(np.maximum(x, 0), _float64(dw.w), (2, 2), (1, 1), 'SAME',
+                 depthwise=True)
+  want = mid @ _float64(pw.w)[0, 0] + _float64(pw.b)
   got = layer.FProp(layer.theta, tf.constant(x, tf.float32)).numpy()
   np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
   meta = conv.SeparableConv2DLayer.FPropMeta(p, tf.TensorShape(x.shape))

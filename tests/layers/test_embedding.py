@@ -10,21 +10,21 @@ from lingvo_pipe.core import base_layer
 from lingvo_pipe.layers import embedding
 
 
-def _Emb(**kwargs):
+def _emb(**kwargs):
   p = embedding.EmbeddingLayer.Params().Set(
       name='emb', vocab_size=7, embedding_dim=6, **kwargs)
   return p.Instantiate()
 
 
 def test_lookup_returns_table_rows():
-  layer = _Emb()
+  layer = _emb()
   ids = np.array([[0, 3, 6], [2, 2, 1]], np.int32)
   out = layer.FProp(layer.theta, ids)
   np.testing.assert_array_equal(out.numpy(), layer.theta.emb.numpy()[ids])
 
 
 def test_scale_sqrt_depth_multiplies_by_sqrt_d():
-  plain, scaled = _Emb(), _Emb(scale_sqrt_depth=True)
+  plain, scaled = _emb(), _emb(scale_sqrt_depth=True)
   ids = tf.constant([[1, 4]])
   np.testing.assert_allclose(
       scaled.FProp(scaled.theta, ids).numpy(),
@@ -33,7 +33,7 @@ def test_scale_sqrt_depth_multiplies_by_sqrt_d():
 
 @pytest.mark.parametrize('bad_id', [7, -1])
 def test_out_of_range_ids_fail_clearly(bad_id):
-  layer = _Emb()
+  layer = _emb()
   with pytest.raises(tf.errors.InvalidArgumentError,
                      match=r'emb: ids must be in \[0, vocab_size=7\)'):
     layer.FProp(layer.theta, tf.constant([[1, bad_id]]))
@@ -44,14 +44,14 @@ def test_out_of_range_ids_fail_clearly(bad_id):
 
 def test_float_ids_and_bad_params_are_rejected():
   with pytest.raises(base_layer.LayerError, match='emb: ids must be an int'):
-    _Emb().FProp(_Emb().theta, tf.zeros([1, 2]))
+    _emb().FProp(_emb().theta, tf.zeros([1, 2]))
   p = embedding.EmbeddingLayer.Params().Set(name='emb', vocab_size=0,
                                             embedding_dim=4)
   with pytest.raises(base_layer.LayerError, match='emb: vocab_size .* got 0'):
     p.Instantiate()
 
 
-def _NumpyPositions(length, depth, offset):
+def _numpy_positions(length, depth, offset):
   """The Transformer paper's formula, float64."""
   half = depth // 2
   pos = np.arange(offset, offset + length, dtype=np.float64)[:, None]
@@ -64,7 +64,7 @@ def test_positions_match_formula_and_offsets():
       name='pos', embedding_dim=8).Instantiate()
   x = np.random.normal(size=[2, 5, 8]).astype(np.float32)
   full = layer.FProp(layer.theta, x).numpy()
-  np.testing.assert_allclose(full, x + _NumpyPositions(5, 8, 0), atol=1e-5)
+  np.testing.assert_allclose(full, x + _numpy_positions(5, 8, 0), atol=1e-5)
   for t in range(5):  # Incremental decoding: one position at a time.
     step = layer.FProp(layer.theta, x[:, t:t + 1], tf.constant(t))
     np.testing.assert_allclose(step.numpy(), full[:, t:t + 1], atol=1e-6)

@@ -8,14 +8,14 @@ from lingvo_pipe.core import base_layer
 from lingvo_pipe.layers import linear
 
 
-def _Fc(**kwargs):
+def _fc(**kwargs):
   p = linear.FCLayer.Params().Set(name='fc', input_dim=4, output_dim=3)
   return p.Set(**kwargs).Instantiate()
 
 
 @pytest.mark.parametrize('shape', [[5, 4], [2, 3, 4], [2, 2, 3, 4]])
 def test_matches_numpy_on_any_rank(shape):
-  layer = _Fc(activation='RELU',
+  layer = _fc(activation='RELU',
               bias_init=base_layer.WeightInit.Gaussian(1.0))
   x = np.random.randn(*shape)
   w, b = (v.numpy().astype(np.float64) for v in (layer.theta.w,
@@ -27,7 +27,7 @@ def test_matches_numpy_on_any_rank(shape):
 
 
 def test_without_bias():
-  layer = _Fc(has_bias=False)
+  layer = _fc(has_bias=False)
   assert 'b' not in layer.theta
   x = np.random.randn(2, 4)
   np.testing.assert_allclose(
@@ -36,7 +36,7 @@ def test_without_bias():
 
 
 def test_fprop_dtype_casts_weights_not_variables():
-  layer = _Fc(fprop_dtype=tf.float16)
+  layer = _fc(fprop_dtype=tf.float16)
   y = layer.FProp(layer.theta, tf.ones([2, 4]))
   assert y.dtype == tf.float16 and layer.theta.w.dtype == tf.float32
 
@@ -53,7 +53,7 @@ def test_fpropmeta_costs():
 
 
 def test_errors_name_the_layer_param_and_fix():
-  layer = _Fc()
+  layer = _fc()
   with pytest.raises(base_layer.LayerError,
                      match=r'fc: input last dim is 5 .* input_dim is 4; set '
                      r'p.input_dim = 5'):
@@ -62,9 +62,9 @@ def test_errors_name_the_layer_param_and_fix():
     layer.FProp(layer.theta, tf.ones([4]))
   with pytest.raises(base_layer.LayerError,
                      match='fc: input_dim must be a positive int, got 0'):
-    _Fc(input_dim=0)
+    _fc(input_dim=0)
   with pytest.raises(base_layer.LayerError, match="Did you mean 'TANH'"):
-    _Fc(activation='TANHH')
+    _fc(activation='TANHH')
   p = linear.FCLayer.Params().Set(name='fc', input_dim=4, output_dim=3)
   with pytest.raises(base_layer.LayerError, match=r'\[B, ..., 4\]'):
     linear.FCLayer.FPropMeta(p, tf.TensorShape([2, 6]))

@@ -6,17 +6,17 @@ import tensorflow as tf
 
 from lingvo_pipe.core import base_layer
 from lingvo_pipe.layers import pooling
-from test_conv import WindowPatches  # Sibling test module.
+from test_conv import window_patches  # Sibling test module.
 
 
-def _RefPool(x, kind, window, stride, padding):
+def _ref_pool(x, kind, window, stride, padding):
   """Max, or average over the real (unpadded) pixels of each window."""
   if kind == 'MAX':
-    patches = WindowPatches(x, window, stride, (1, 1), padding, -np.inf)
+    patches = window_patches(x, window, stride, (1, 1), padding, -np.inf)
     return np.max([patch for _, _, patch in patches], axis=0)
-  total = sum(p for _, _, p in WindowPatches(x, window, stride, (1, 1),
+  total = sum(p for _, _, p in window_patches(x, window, stride, (1, 1),
                                                padding))
-  count = sum(p for _, _, p in WindowPatches(np.ones_like(x), window, stride,
+  count = sum(p for _, _, p in window_patches(np.ones_like(x), window, stride,
                                                (1, 1), padding))
   return total / count
 
@@ -32,7 +32,7 @@ def test_pooling_matches_reference(kind, window, stride, padding):
   layer = p.Instantiate()
   x = np.random.randn(2, 7, 6, 3)
   got = layer.FProp(layer.theta, tf.constant(x, tf.float32)).numpy()
-  want = _RefPool(x, kind, window, stride, padding)
+  want = _ref_pool(x, kind, window, stride, padding)
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
   meta = pooling.PoolingLayer.FPropMeta(p, tf.TensorShape(x.shape))
   assert meta.out_shapes == (tf.TensorShape(want.shape),)

@@ -11,7 +11,7 @@ from lingvo_pipe.layers import sequential
 from lingvo_pipe.layers import shape
 
 
-def _Fc(din, dout, **kwargs):
+def _fc(din, dout, **kwargs):
   return linear.FCLayer.Params().Set(input_dim=din, output_dim=dout, **kwargs)
 
 
@@ -23,7 +23,7 @@ class _PairScale(base_layer.BaseLayer):
 
   @classmethod
   def FPropMeta(cls, p, x, paddings):
-    return base_layer.LayerMeta.Build(p, flops=2 * x.num_elements(),
+    return base_layer.LayerMeta.build(p, flops=2 * x.num_elements(),
                                       out_shapes=(x, paddings), num_params=0)
 
 
@@ -35,14 +35,14 @@ class _MapSwap(base_layer.BaseLayer):
 
   @classmethod
   def FPropMeta(cls, p, m):
-    return base_layer.LayerMeta.Build(
+    return base_layer.LayerMeta.build(
         p, flops=m.b.num_elements(), out_shapes=(NestedMap(a=m.b, b=m.a),),
         num_params=0)
 
 
 def test_sequential_chains_children_in_order():
   p = sequential.SequentialLayer.Params().Set(name='mlp', sub=[
-      _Fc(4, 6, activation='RELU'), _Fc(6, 2)])
+      _fc(4, 6, activation='RELU'), _fc(6, 2)])
   mlp = p.Instantiate()
   assert [c.path for c in mlp.children.sub] == ['mlp.sub[0]', 'mlp.sub[1]']
   x = tf.random.normal([3, 4])
@@ -52,7 +52,7 @@ def test_sequential_chains_children_in_order():
 
 
 def test_fpropmeta_sums_the_children():
-  subs = [_Fc(4, 6, activation='RELU'), _Fc(6, 2, has_bias=False)]
+  subs = [_fc(4, 6, activation='RELU'), _fc(6, 2, has_bias=False)]
   p = sequential.SequentialLayer.Params().Set(name='mlp', sub=subs)
   x = tf.TensorShape([3, 4])
   metas = [linear.FCLayer.FPropMeta(subs[0], x),
@@ -93,7 +93,7 @@ def test_nested_maps_flow_through_and_trace():
 
 
 def test_repeat_makes_independent_copies_and_chains_them():
-  p = sequential.RepeatLayer.Params().Set(name='rep', body=_Fc(3, 3),
+  p = sequential.RepeatLayer.Params().Set(name='rep', body=_fc(3, 3),
                                           repeat=3)
   rep = p.Instantiate()
   assert [c.path for c in rep.children.body] == [
@@ -106,7 +106,7 @@ def test_repeat_makes_independent_copies_and_chains_them():
     want = want @ t.w.numpy().astype(np.float64) + t.b.numpy()
   np.testing.assert_allclose(rep.FProp(rep.theta, tf.constant(x, tf.float32)),
                              want, rtol=1e-5, atol=1e-5)
-  one = linear.FCLayer.FPropMeta(_Fc(3, 3), tf.TensorShape([2, 3]))
+  one = linear.FCLayer.FPropMeta(_fc(3, 3), tf.TensorShape([2, 3]))
   meta = sequential.RepeatLayer.FPropMeta(p, tf.TensorShape([2, 3]))
   assert (meta.flops, meta.param_bytes) == (3 * one.flops,
                                             3 * one.param_bytes)
@@ -117,12 +117,12 @@ def test_errors_name_the_layer_and_param():
     sequential.SequentialLayer.Params().Set(name='s').Instantiate()
   with pytest.raises(base_layer.LayerError, match=r's: sub\[1\] must hold'):
     sequential.SequentialLayer.Params().Set(
-        name='s', sub=[_Fc(2, 2), 'fc']).Instantiate()
+        name='s', sub=[_fc(2, 2), 'fc']).Instantiate()
   with pytest.raises(base_layer.LayerError, match='rep: body must hold'):
     sequential.RepeatLayer.Params().Set(name='rep').Instantiate()
   with pytest.raises(base_layer.LayerError, match='rep: repeat must be'):
-    sequential.RepeatLayer.Params().Set(name='rep', body=_Fc(2, 2),
+    sequential.RepeatLayer.Params().Set(name='rep', body=_fc(2, 2),
                                         repeat=0).Instantiate()
-  p = sequential.SequentialLayer.Params().Set(name='s', sub=[_Fc(2, 2)])
+  p = sequential.SequentialLayer.Params().Set(name='s', sub=[_fc(2, 2)])
   with pytest.raises(base_layer.LayerError, match=r's.sub\[0\]: FCLayer'):
     sequential.SequentialLayer.FPropMeta(p, tf.TensorShape([1, 3]))

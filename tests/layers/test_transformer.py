@@ -11,30 +11,30 @@ from lingvo_pipe.layers import transformer
 D, N, F = 8, 2, 16
 
 
-def _Params(cls, **kwargs):
+def _params(cls, **kwargs):
   values = dict(name='tr', input_dim=D, num_heads=N, hidden_dim=F)
   values.update(kwargs)
   return cls.Params().Set(**values)
 
 
-def _Randomise(layer):
+def _randomise(layer):
   """Random values everywhere (biases and norms too) so references see them."""
   for var in layer.trainable_variables:
     var.assign(np.random.normal(scale=0.3, size=var.shape))
   return layer
 
 
-def _Np(theta):
+def _np(theta):
   return tf.nest.map_structure(lambda v: v.numpy().astype(np.float64), theta)
 
 
-def _NpLayerNorm(t, x):
+def _np_layer_norm(t, x):
   mean = x.mean(-1, keepdims=True)
   var = ((x - mean) ** 2).mean(-1, keepdims=True)
   return (x - mean) / np.sqrt(var + 1e-6) * t['scale'] + t['bias']
 
 
-def _NpAttention(t, q_in, kv_in, key_paddings, causal):
+def _np_attention(t, q_in, kv_in, key_paddings, causal):
   proj = lambda x, n: np.einsum('btd,dnh->btnh', x, t[n + '_w']) + t[n + '_b']
   q, k, v = proj(q_in, 'query'), proj(kv_in, 'key'), proj(kv_in, 'value')
   logits = np.einsum('bqnh,bknh->bnqk', q, k) / np.sqrt(q.shape[-1])
@@ -50,35 +50,35 @@ def _NpAttention(t, q_in, kv_in, key_paddings, causal):
   return np.einsum('bqnh,nhd->bqd', ctx, t['post_w']) + t['post_b']
 
 
-def _NpResidual(t, x, fn, pre):
+def _np_residual(t, x, fn, pre):
   if pre:
-    return x + fn(_NpLayerNorm(t['ln'], x))
-  return _NpLayerNorm(t['ln'], x + fn(x))
+    return x + fn(_np_layer_norm(t['ln'], x))
+  return _np_layer_norm(t['ln'], x + fn(x))
 
 
-def _NpFfn(t, x, pre):
+def _np_ffn(t, x, pre):
   fn = lambda y: (np.maximum(y @ t['fc_in']['w'] + t['fc_in']['b'], 0) @
                   t['fc_out']['w'] + t['fc_out']['b'])
-  return _NpResidual(t, x, fn, pre)
+  return _np_residual(t, x, fn, pre)
 
 
-def _NpEncoder(t, x, paddings, pre):
+def _np_encoder(t, x, paddings, pre):
   a = t['self_atten']
-  x = _NpResidual(a, x, lambda y: _NpAttention(a['atten'], y, y, paddings,
-                                               False), pre)
-  return _NpFfn(t['ffn'], x, pre)
+  x = _np_residual(a, x, lambda y: _np_attention(a['atten'], y, y, paddings,
+                                                 False), pre)
+  return _np_ffn(t['ffn'], x, pre)
 
 
-def _NpDecoder(t, x, paddings, memory, memory_paddings, pre):
+def _np_decoder(t, x, paddings, memory, memory_paddings, pre):
   s, c = t['self_atten'], t['cross_atten']
-  x = _NpResidual(s, x, lambda y: _NpAttention(s['atten'], y, y, paddings,
-                                               True), pre)
-  x = _NpResidual(c, x, lambda y: _NpAttention(c['atten'], y, memory,
-                                               memory_paddings, False), pre)
-  return _NpFfn(t['ffn'], x, pre)
+  x = _np_residual(s, x, lambda y: _np_attention(s['atten'], y, y, paddings,
+                                                 True), pre)
+  x = _np_residual(c, x, lambda y: _np_attention(c['atten'], y, memory,
+                                                 memory_paddings, False), pre)
+  return _np_ffn(t['ffn'], x, pre)
 
 
-def _Inputs(b=3, t=5, s=4):
+def _inputs(b=3, t=5, s=4):
   x = np.random.normal(size=[b, t, D])
   paddings = np.zeros([b, t])
   paddings[0, -2:] = 1.0
@@ -92,24 +92,24 @@ def _Inputs(b=3, t=5, s=4):
 
 @pytest.mark.parametrize('pre', [True, False])
 def test_encoder_matches_float64_reference(pre):
-  layer = _Randomise(_Params(transformer.TransformerEncoderLayer,
+  layer = _randomise(_params(transformer.TransformerEncoderLayer,
                              pre_layer_norm=pre).Instantiate())
-  x, paddings, _, _ = _Inputs()
+  x, paddings, _, _ = _inputs()
   out, out_paddings = layer.FProp(layer.theta, x.astype(np.float32),
                                   paddings.astype(np.float32))
-  want = _NpEncoder(_Np(layer.theta), x, paddings, pre)
+  want = _np_encoder(_np(layer.theta), x, paddings, pre)
   np.testing.assert_allclose(out.numpy(), want, atol=1e-4, rtol=1e-4)
   np.testing.assert_array_equal(out_paddings.numpy(), paddings)
 
 
 @pytest.mark.parametrize('pre', [True, False])
 def test_decoder_matches_float64_reference(pre):
-  layer = _Randomise(_Params(transformer.TransformerDecoderLayer,
+  layer = _randomise(_params(transformer.TransformerDecoderLayer,
                              pre_layer_norm=pre).Instantiate())
-  inputs = _Inputs()
+  inputs = _inputs()
   outs = layer.FProp(layer.theta, *[i.astype(np.float32) for i in inputs])
   assert len(outs) == 4
-  want = _NpDecoder(_Np(layer.theta), *inputs, pre)
+  want = _np_decoder(_np(layer.theta), *inputs, pre)
   np.testing.assert_allclose(outs[0].numpy(), want, atol=1e-4, rtol=1e-4)
   for got, given in zip(outs[1:], inputs[1:]):
     np.testing.assert_array_equal(got.numpy(), given.astype(np.float32))
@@ -119,14 +119,14 @@ def test_decoder_matches_float64_reference(pre):
                                  transformer.TransformerDecoderLayer])
 @pytest.mark.parametrize('pre', [True, False])
 def test_fully_padded_rows_give_no_nan_with_dropout(cls, pre):
-  layer = _Params(cls, pre_layer_norm=pre, atten_dropout_prob=0.1,
+  layer = _params(cls, pre_layer_norm=pre, atten_dropout_prob=0.1,
                   residual_dropout_prob=0.1,
                   relu_dropout_prob=0.1).Instantiate()
-  x, paddings, memory, memory_paddings = _Inputs()
+  x, paddings, memory, memory_paddings = _inputs()
   args = [x, paddings] if cls is transformer.TransformerEncoderLayer else [
       x, paddings, memory, memory_paddings]
   args = [tf.constant(a, tf.float32) for a in args]
-  with fprop_context.Scope(training=True, step=1, num_micro_batches=1):
+  with fprop_context.scope(training=True, step=1, num_micro_batches=1):
     with tf.GradientTape() as tape:
       out = layer.FProp(layer.theta, *args)[0]
       loss = tf.reduce_sum(out ** 2)
@@ -137,8 +137,8 @@ def test_fully_padded_rows_give_no_nan_with_dropout(cls, pre):
 
 
 def test_encoder_ignores_padded_positions():
-  layer = _Randomise(_Params(transformer.TransformerEncoderLayer).Instantiate())
-  x, paddings, _, _ = _Inputs()
+  layer = _randomise(_params(transformer.TransformerEncoderLayer).Instantiate())
+  x, paddings, _, _ = _inputs()
   base = layer.FProp(layer.theta, x, paddings)[0].numpy()
   x[0, -2:] = 50.0 * np.random.normal(size=x[0, -2:].shape)
   out = layer.FProp(layer.theta, x, paddings)[0].numpy()
@@ -148,20 +148,20 @@ def test_encoder_ignores_padded_positions():
 
 @pytest.mark.parametrize('pre', [True, False])
 def test_decoder_extend_step_equals_fprop(pre):
-  layer = _Randomise(_Params(transformer.TransformerDecoderLayer,
+  layer = _randomise(_params(transformer.TransformerDecoderLayer,
                              pre_layer_norm=pre).Instantiate())
   x, paddings, memory, memory_paddings = [
-      tf.constant(a, tf.float32) for a in _Inputs(t=6)]
+      tf.constant(a, tf.float32) for a in _inputs(t=6)]
   full = layer.FProp(layer.theta, x, paddings, memory, memory_paddings)[0]
 
   @tf.function
-  def Step(x_t, cache, t):
+  def step(x_t, cache, t):
     return layer.ExtendStep(layer.theta, x_t, memory_paddings, cache, t)
 
   cache = layer.InitDecodeCache(layer.theta, memory, max_len=6)
   steps = []
   for t in range(6):
-    y_t, cache = Step(x[:, t:t + 1], cache, tf.constant(t))
+    y_t, cache = step(x[:, t:t + 1], cache, tf.constant(t))
     steps.append(y_t)
   steps = tf.concat(steps, axis=1).numpy()
   # Right padding: real positions never see padded (later) ones, so decoding
@@ -174,8 +174,8 @@ def test_decoder_extend_step_equals_fprop(pre):
 
 
 def test_ffn_init_scale_scales_feed_forward_weights():
-  base = _Params(transformer.TransformerEncoderLayer).Instantiate()
-  small = _Params(transformer.TransformerEncoderLayer,
+  base = _params(transformer.TransformerEncoderLayer).Instantiate()
+  small = _params(transformer.TransformerEncoderLayer,
                   ffn_init_scale=0.25).Instantiate()
   for name in ('fc_in', 'fc_out'):
     np.testing.assert_allclose(small.theta.ffn[name].w.numpy(),
@@ -191,7 +191,7 @@ def test_ffn_init_scale_scales_feed_forward_weights():
                                            [2, 3])),
 ])
 def test_meta_matches_the_layer(cls, shapes):
-  p = _Params(cls, relu_dropout_prob=0.1)
+  p = _params(cls, relu_dropout_prob=0.1)
   layer = p.Instantiate()
   shapes = [tf.TensorShape(s) for s in shapes]
   meta = cls.FPropMeta(p, *shapes)
@@ -207,7 +207,7 @@ def test_meta_matches_the_layer(cls, shapes):
 
 
 def test_errors_name_the_path():
-  p = _Params(transformer.TransformerEncoderLayer, num_heads=3).Set(
+  p = _params(transformer.TransformerEncoderLayer, num_heads=3).Set(
       name='enc')
   with pytest.raises(base_layer.LayerError,
                      match=r'enc\.self_atten\.atten: hidden_dim 8 .* 3'):
@@ -216,8 +216,8 @@ def test_errors_name_the_path():
                      match=r'enc\.self_atten\.atten: hidden_dim 8 .* 3'):
     transformer.TransformerEncoderLayer.FPropMeta(
         p, tf.TensorShape([2, 5, D]), tf.TensorShape([2, 5]))
-  layer = _Params(transformer.TransformerEncoderLayer).Instantiate()
+  layer = _params(transformer.TransformerEncoderLayer).Instantiate()
   with pytest.raises(base_layer.LayerError, match=r'tr: paddings must be'):
     layer.FProp(layer.theta, tf.zeros([2, 5, D]), tf.zeros([2, 4]))
   with pytest.raises(base_layer.LayerError, match='tr.ffn: hidden_dim'):
-    _Params(transformer.TransformerEncoderLayer, hidden_dim=0).Instantiate()
+    _params(transformer.TransformerEncoderLayer, hidden_dim=0).Instantiate()

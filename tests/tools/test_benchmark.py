@@ -14,14 +14,14 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(
 _TOOL = os.path.join(_ROOT, 'tools', 'benchmark.py')
 
 
-def _Load():
+def _load():
   spec = importlib.util.spec_from_file_location('benchmark_tool', _TOOL)
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)  # Puts tools/ on sys.path for `bench`.
   return module
 
 
-benchmark = _Load()
+benchmark = _load()
 from bench import memory  # pylint: disable=C0413
 from bench import sections  # pylint: disable=C0413
 
@@ -84,23 +84,23 @@ def test_worker_processes_tiny_and_none_left_behind(tmp_path):
 def test_search_brackets_the_largest_fitting_size():
   calls = []
 
-  def _Fits(n):
+  def _fits(n):
     calls.append(n)
     return n <= 37
 
-  lo, hi = memory.Search(_Fits, start=4, tolerance=1.125, limit=1000)
+  lo, hi = memory.search(_fits, start=4, tolerance=1.125, limit=1000)
   assert lo <= 37 < hi and hi / lo <= 1.125
   assert calls[:5] == [4, 8, 16, 32, 64]  # Doubling first.
-  assert memory.Search(lambda n: n <= 3, 16, 1.0, 100) == (3, 4)  # Halving.
-  assert memory.Search(lambda n: True, 4, 1.5, 20) == (20, 0)  # Capped.
-  assert memory.Search(lambda n: False, 4, 1.5, 20) == (0, 1)
+  assert memory.search(lambda n: n <= 3, 16, 1.0, 100) == (3, 4)  # Halving.
+  assert memory.search(lambda n: True, 4, 1.5, 20) == (20, 0)  # Capped.
+  assert memory.search(lambda n: False, 4, 1.5, 20) == (0, 1)
 
 
 def test_stale_section_renders_a_rerun_hint():
   """Regression: a section stored by an older tool (missing keys) made every
   later sub-command crash while re-rendering the report."""
   from bench import report  # pylint: disable=g-import-not-at-top
-  text = report.Render({'overheads': {'command': 'x', 'seconds': 1.0}},
+  text = report.render({'overheads': {'command': 'x', 'seconds': 1.0}},
                        [('overheads', 'Overheads', lambda s: s['op_s'])])
   assert 'python tools/benchmark.py overheads' in text
   assert 'predate' in text

@@ -37,89 +37,89 @@ class NetSpec:
   width: int
   batch: int
 
-  def LayerParams(self) -> list[Any]:
+  def layer_params(self) -> list[Any]:
     return [linear.FCLayer.Params().Set(
         name=f'fc{i}', input_dim=self.width, output_dim=self.width,
         activation='RELU') for i in range(self.num_layers)]
 
-  def Describe(self) -> str:
+  def describe(self) -> str:
     return (f'{self.num_layers} × FC({self.width}→{self.width}, ReLU), '
             f'batch {self.batch}')
 
 
-def PipelineParams(spec: NetSpec, num_stages: int, num_micro_batches: int,
-                   devices: Sequence[str], recompute: str = 'always') -> Any:
+def pipeline_params(spec: NetSpec, num_stages: int, num_micro_batches: int,
+                    devices: Sequence[str], recompute: str = 'always') -> Any:
   return gpipe.PipeliningLayer.Params().Set(
-      name='net', layers=spec.LayerParams(), num_stages=num_stages,
+      name='net', layers=spec.layer_params(), num_stages=num_stages,
       num_micro_batches=num_micro_batches, input_shapes=[[spec.batch,
                                                           spec.width]],
       devices=list(devices[:num_stages]), recompute=recompute)
 
 
-def MakeInput(spec: NetSpec, device: str, seed: int = 7) -> tf.Variable:
+def make_input(spec: NetSpec, device: str, seed: int = 7) -> tf.Variable:
   """The batch, living on `device` so the client never ships it."""
   with tf.device(device):
     return tf.Variable(tf.random.stateless_normal(
         [spec.batch, spec.width], seed=[seed, 0]), trainable=False)
 
 
-def SquareLoss(y: tf.Tensor) -> tf.Tensor:
+def square_loss(y: tf.Tensor) -> tf.Tensor:
   """Σ y² / N: a per-example sum over the batch, as the engine expects."""
   return tf.reduce_sum(tf.square(y)) / tf.cast(tf.shape(y)[0], y.dtype)
 
 
-def SgdUpdate(variables: Sequence[tf.Variable],
-              grads: Sequence[tf.Tensor]) -> None:
+def sgd_update(variables: Sequence[tf.Variable],
+               grads: Sequence[tf.Tensor]) -> None:
   """In-place SGD, each update on its variable's device."""
   for v, g in zip(variables, grads):
     with tf.device(v.device):
       v.assign_sub(LEARNING_RATE * g)
 
 
-def LossOn(device: str) -> Callable[[Any], tf.Tensor]:
-  """SquareLoss placed on `device` (the last stage's), not on the client."""
+def loss_on(device: str) -> Callable[[Any], tf.Tensor]:
+  """square_loss placed on `device` (the last stage's), not on the client."""
 
-  def _Loss(y: Any) -> tf.Tensor:
+  def _loss(y: Any) -> tf.Tensor:
     with tf.device(device):
-      return SquareLoss(y)
+      return square_loss(y)
 
-  return _Loss
+  return _loss
 
 
-def PipelineStep(net: Any, x: tf.Variable) -> Callable[[], tf.Tensor]:
+def pipeline_step(net: Any, x: tf.Variable) -> Callable[[], tf.Tensor]:
   """A tf.function training step of a PipeliningLayer: loss, grads, SGD."""
   variables = list(net.trainable_variables)
-  loss_fn = LossOn(net.devices[-1])
+  loss_fn = loss_on(net.devices[-1])
 
   @tf.function
-  def _Step() -> tf.Tensor:
+  def _step() -> tf.Tensor:
     with tf.GradientTape() as tape:
-      with fprop_context.Scope(training=True, step=0):
+      with fprop_context.scope(training=True, step=0):
         loss = loss_fn(net.FProp(net.theta, x))
-    SgdUpdate(variables, tape.gradient(loss, variables))
+    sgd_update(variables, tape.gradient(loss, variables))
     return loss
 
-  return _Step
+  return _step
 
 
-def HandWrittenStep(net: Any, x: tf.Variable) -> Callable[[], Any]:
+def hand_written_step(net: Any, x: tf.Variable) -> Callable[[], Any]:
   """The same layers and weights, no pipeline: one tape, one device."""
   variables = list(net.trainable_variables)
   layers, device = list(net.children.layers), net.devices[0]
 
   @tf.function
-  def _Step() -> tf.Tensor:
+  def _step() -> tf.Tensor:
     with tf.device(device):
       with tf.GradientTape() as tape:
         y = x
         for layer in layers:
           y = layer.FProp(layer.theta, y)
-        loss = SquareLoss(y)
+        loss = square_loss(y)
       grads = tape.gradient(loss, variables)
-      SgdUpdate(variables, grads)
+      sgd_update(variables, grads)
       return loss
 
-  return _Step
+  return _step
 
 
 DEVICE_MODES = ('workers', 'logical')
@@ -127,7 +127,7 @@ NUM_LOGICAL_DEVICES = 4
 
 
 @contextlib.contextmanager
-def StageDevices(num_devices: int, mode: str) -> Iterator[list[str]]:
+def stage_devices(num_devices: int, mode: str) -> Iterator[list[str]]:
   """`num_devices` stage devices: worker processes or logical CPUs.
 
   'workers' starts one single-core TF worker process per device (real
@@ -137,51 +137,51 @@ def StageDevices(num_devices: int, mode: str) -> Iterator[list[str]]:
   if mode == 'logical':
     # Always 4 (the memory section's need): asking for fewer before the
     # runtime starts would shrink an earlier, larger configuration.
-    devices_lib.ConfigureLogicalCpus(max(num_devices, NUM_LOGICAL_DEVICES))
-    yield devices_lib.DefaultDevices(num_devices)
+    devices_lib.configure_logical_cpus(max(num_devices, NUM_LOGICAL_DEVICES))
+    yield devices_lib.default_devices(num_devices)
   elif mode == 'workers':
     with cluster.LocalCluster(num_devices) as workers:
-      Log(f'{num_devices} worker processes, pids {workers.pids}')
+      log(f'{num_devices} worker processes, pids {workers.pids}')
       yield workers.devices
   else:
     raise BenchError(f'--devices={mode!r}; use one of {DEVICE_MODES}.')
 
 
-def Sync(result: Any) -> Any:
+def sync(result: Any) -> Any:
   """Waits for a step's outputs (fetching them to the client)."""
   if result is None:
     return None
   return tf.nest.map_structure(lambda t: t.numpy(), result)
 
 
-def FirstCall(fn: Callable[[], Any]) -> float:
+def first_call(fn: Callable[[], Any]) -> float:
   """Seconds of the first call: tracing, optimisation, registration, run."""
   start = time.perf_counter()
-  Sync(fn())
+  sync(fn())
   return time.perf_counter() - start
 
 
-def Interleaved(fns: dict[str, Callable[[], Any]],
+def interleaved(fns: dict[str, Callable[[], Any]],
                 reps: int) -> dict[str, list[float]]:
   """Wall seconds of `reps` calls of each fn, called in alternation."""
   times: dict[str, list[float]] = {name: [] for name in fns}
   for _ in range(reps):
     for name, fn in fns.items():
       start = time.perf_counter()
-      Sync(fn())
+      sync(fn())
       times[name].append(time.perf_counter() - start)
   return times
 
 
-def Median(xs: Sequence[float]) -> float:
+def median(xs: Sequence[float]) -> float:
   return float(statistics.median(xs))
 
 
-def Release() -> None:
+def release() -> None:
   """Drops Python references to old nets so their variables are freed."""
   gc.collect()
 
 
-def Log(msg: str) -> None:
+def log(msg: str) -> None:
   print(f'[bench {time.strftime("%H:%M:%S")}] {msg}', file=sys.stderr,
         flush=True)

@@ -24,42 +24,42 @@ from lingvo_pipe.core import timeline
 TARGET_ERROR = 0.15
 
 
-def Sizes(tiny: bool) -> tuple[common.NetSpec, list[int], int]:
+def sizes(tiny: bool) -> tuple[common.NetSpec, list[int], int]:
   if tiny:
     return common.NetSpec(4, 32, 16), [1, 2, 4], 1
   return common.NetSpec(16, 512, 1024), [1, 4, 8, 16], 5
 
 
-def _Measure(spec: common.NetSpec, devices: list[str], k: int, m: int,
+def _measure(spec: common.NetSpec, devices: list[str], k: int, m: int,
              reps: int) -> tuple[list[list[timeline.Record]], list[float]]:
   """Recorded timelines and wall times of `reps` steps (after a warm-up)."""
-  net = common.PipelineParams(spec, k, m, devices).Instantiate()
-  x = common.MakeInput(spec, devices[0])
-  recorder = timeline.StepRecorder(net, (x,), common.LossOn(net.devices[-1]),
-                                   update=common.SgdUpdate)
+  net = common.pipeline_params(spec, k, m, devices).Instantiate()
+  x = common.make_input(spec, devices[0])
+  recorder = timeline.StepRecorder(net, (x,), common.loss_on(net.devices[-1]),
+                                   update=common.sgd_update)
   recorder()
   runs, walls = [], []
   for _ in range(reps):
     start = time.perf_counter()
     runs.append(recorder())  # Fetches the timestamps: the step is done.
     walls.append(time.perf_counter() - start)
-  common.Release()
+  common.release()
   return runs, walls
 
 
-def _Span(records: list[timeline.Record]) -> float:
+def _span(records: list[timeline.Record]) -> float:
   return max(r.end for r in records) - min(r.start for r in records)
 
 
-def Calibrate(runs: list[list[timeline.Record]],
+def calibrate(runs: list[list[timeline.Record]],
               num_layers: int) -> dict[str, float]:
   """Per-layer seconds of F, R and B for the whole batch (medians)."""
   per_run = [timeline.calibrated_costs(r)[0] for r in runs]
-  return {kind: common.Median([c.time(kind) for c in per_run]) / num_layers
+  return {kind: common.median([c.time(kind) for c in per_run]) / num_layers
           for kind in timeline.KINDS}
 
 
-def Predict(per_layer: dict[str, float], boundaries: list[int],
+def predict(per_layer: dict[str, float], boundaries: list[int],
             m: int) -> simulator.SimResult:
   costs = []
   for a, b in zip(boundaries[:-1], boundaries[1:]):
@@ -70,38 +70,38 @@ def Predict(per_layer: dict[str, float], boundaries: list[int],
   return simulator.simulate(costs, m, 'always')
 
 
-def Run(args: argparse.Namespace, devices: list[str]) -> dict[str, Any]:
-  spec, ms, reps = Sizes(args.tiny)
+def run(args: argparse.Namespace, devices: list[str]) -> dict[str, Any]:
+  spec, ms, reps = sizes(args.tiny)
   reps = args.reps or reps
-  common.Log('fidelity: calibrating on K=1, M=1')
-  runs, _ = _Measure(spec, devices, 1, 1, reps)
-  per_layer = Calibrate(runs, spec.num_layers)
+  common.log('fidelity: calibrating on K=1, M=1')
+  runs, _ = _measure(spec, devices, 1, 1, reps)
+  per_layer = calibrate(runs, spec.num_layers)
   rows = []
   for k in (1, 2):
-    boundaries = common.PipelineParams(spec, k, 1, devices).Instantiate(
+    boundaries = common.pipeline_params(spec, k, 1, devices).Instantiate(
     ).boundaries
     for m in ms:
-      common.Log(f'fidelity: K={k}, M={m}')
-      runs, walls = _Measure(spec, devices, k, m, reps)
-      runs.sort(key=_Span)
+      common.log(f'fidelity: K={k}, M={m}')
+      runs, walls = _measure(spec, devices, k, m, reps)
+      runs.sort(key=_span)
       median_run = runs[len(runs) // 2]
-      predicted = Predict(per_layer, boundaries, m)
-      rows.append({'K': k, 'M': m, 'measured_s': _Span(median_run),
-                   'wall_s': common.Median(walls),
+      predicted = predict(per_layer, boundaries, m)
+      rows.append({'K': k, 'M': m, 'measured_s': _span(median_run),
+                   'wall_s': common.median(walls),
                    'predicted_s': predicted.step_time,
-                   'error': predicted.step_time / _Span(median_run) - 1.0,
+                   'error': predicted.step_time / _span(median_run) - 1.0,
                    'overlap': timeline.overlap_fraction(median_run),
                    'overlap_predicted': timeline.overlap_fraction(
                        predicted.events)})
   worst = max(rows, key=lambda r: abs(r['error']))
-  targets = [report.Target(f'worst |predicted ÷ measured − 1| (K='
+  targets = [report.target(f'worst |predicted ÷ measured − 1| (K='
                            f'{worst["K"]}, M={worst["M"]})',
                            abs(worst['error']), '<=', TARGET_ERROR, '')]
-  return {'network': spec.Describe(), 'per_layer_s': per_layer, 'rows': rows,
+  return {'network': spec.describe(), 'per_layer_s': per_layer, 'rows': rows,
           'targets': targets}
 
 
-def Render(s: dict[str, Any]) -> str:
+def render(s: dict[str, Any]) -> str:
   pl = s['per_layer_s']
   lines = [
       f'Network: {s["network"]}; recompute=always; K stage devices. '
@@ -109,7 +109,7 @@ def Render(s: dict[str, Any]) -> str:
       f'the whole batch: forward {pl["F"] * 1e3:.3g} ms, recompute '
       f'{pl["R"] * 1e3:.3g} ms, backward {pl["B"] * 1e3:.3g} ms.',
       '',
-      report.Table(['K', 'M', 'measured span (s)', 'predicted (s)', 'error',
+      report.table(['K', 'M', 'measured span (s)', 'predicted (s)', 'error',
                     'wall step (s)', 'stages overlap, measured / simulated'],
                    [[r['K'], r['M'], r['measured_s'], r['predicted_s'],
                      f'{100 * r["error"]:+.1f}%', r['wall_s'],
@@ -117,14 +117,14 @@ def Render(s: dict[str, Any]) -> str:
                      f'{100 * r["overlap_predicted"]:.0f}%']
                     for r in s['rows']]),
       '',
-      report.TargetLines(s['targets']),
+      report.target_lines(s['targets']),
   ]
   if not all(t['met'] for t in s['targets']):
-    lines.append(_Limits(s['rows']))
+    lines.append(_limits(s['rows']))
   return '\n'.join(lines)
 
 
-def _Limits(rows: list[dict[str, Any]]) -> str:
+def _limits(rows: list[dict[str, Any]]) -> str:
   """The 'what limits it' note, from the measured rows."""
   notes = []
   k1 = [r for r in rows if r['K'] == 1]

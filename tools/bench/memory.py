@@ -55,7 +55,7 @@ CONFIGS = (('naive', 1, None), ('pipeline-1', 1, 'always'),
            ('pipeline-2', 2, 'always'), ('pipeline-4', 4, 'always'))
 
 
-def Sizes(tiny: bool) -> dict[str, Any]:
+def sizes(tiny: bool) -> dict[str, Any]:
   """Budget per device, network family, M, search tolerance."""
   if tiny:
     return {'budget_mib': 10.0, 'width': 16, 'batch': 16384, 'M': 4,
@@ -66,29 +66,29 @@ def Sizes(tiny: bool) -> dict[str, Any]:
           'reps': 3, 'max_layers': 512}
 
 
-def _Step(spec: common.NetSpec, k: int, m: int, recompute: str | None,
+def _step(spec: common.NetSpec, k: int, m: int, recompute: str | None,
           devices: list[str]) -> tuple[Any, Callable[[], Any]]:
-  net = common.PipelineParams(spec, k, m, devices,
-                              recompute or 'never').Instantiate()
-  x = common.MakeInput(spec, devices[0])
-  step = (common.HandWrittenStep(net, x) if recompute is None else
-          common.PipelineStep(net, x))
+  net = common.pipeline_params(spec, k, m, devices,
+                               recompute or 'never').Instantiate()
+  x = common.make_input(spec, devices[0])
+  step = (common.hand_written_step(net, x) if recompute is None else
+          common.pipeline_step(net, x))
   return net, step
 
 
-def PeakBytes(spec: common.NetSpec, k: int, m: int, recompute: str | None,
-              devices: list[str]) -> dict[str, Any]:
+def peak_bytes(spec: common.NetSpec, k: int, m: int, recompute: str | None,
+               devices: list[str]) -> dict[str, Any]:
   """Allocator peak of one training step, this trial's share.
 
   The step is called twice and the second call measured: the first call of
   a multi-device function does not report all of its allocations.
   """
-  common.Release()
+  common.release()
   before = tf.config.experimental.get_memory_info('CPU:0')['current']
-  net, step = _Step(spec, k, m, recompute, devices)
-  common.Sync(step())
+  net, step = _step(spec, k, m, recompute, devices)
+  common.sync(step())
   tf.config.experimental.reset_memory_stats('CPU:0')
-  common.Sync(step())
+  common.sync(step())
   peak = tf.config.experimental.get_memory_info('CPU:0')['peak'] - before
   sizes = [v.numpy().nbytes for v in net.trainable_variables]
   # Weights and their gradients below the allocator's tracking threshold.
@@ -101,11 +101,11 @@ def PeakBytes(spec: common.NetSpec, k: int, m: int, recompute: str | None,
         a + s.param_bytes for a, s in zip(sim.peak_activation_bytes,
                                           sim.stages))
   del net, step
-  common.Release()
+  common.release()
   return out
 
 
-def Search(fits: Callable[[int], bool], start: int, tolerance: float,
+def search(fits: Callable[[int], bool], start: int, tolerance: float,
            limit: int) -> tuple[int, int]:
   """(largest fitting, smallest failing) layer counts found by measuring.
 
@@ -142,7 +142,7 @@ def Search(fits: Callable[[int], bool], start: int, tolerance: float,
   return lo, hi
 
 
-def _PerDevice(trial: dict[str, Any], k: int, scale: float) -> float:
+def _per_device(trial: dict[str, Any], k: int, scale: float) -> float:
   """Bytes on the fullest device: measured for K=1; for K>1 the larger of
   the measured total ÷ K and the simulator's largest stage × `scale`."""
   if k == 1:
@@ -150,22 +150,22 @@ def _PerDevice(trial: dict[str, Any], k: int, scale: float) -> float:
   return max(trial['peak_bytes'] / k, trial['sim_stage_bytes'] * scale)
 
 
-def _Column(sizes: dict[str, Any], name: str, k: int, recompute: str | None,
+def _column(sizes: dict[str, Any], name: str, k: int, recompute: str | None,
             devices: list[str], start: int, scale: float) -> dict[str, Any]:
   budget = sizes['budget_mib'] * MIB
   trials: dict[int, dict[str, Any]] = {}
 
-  def _Fits(layers: int) -> bool:
+  def _fits(layers: int) -> bool:
     spec = common.NetSpec(layers, sizes['width'], sizes['batch'])
-    trial = trials[layers] = PeakBytes(spec, k, sizes['M'], recompute,
-                                       devices)
-    trial['per_device_bytes'] = _PerDevice(trial, k, scale)
-    common.Log(f'memory: {name} {layers} layers: '
+    trial = trials[layers] = peak_bytes(spec, k, sizes['M'], recompute,
+                                        devices)
+    trial['per_device_bytes'] = _per_device(trial, k, scale)
+    common.log(f'memory: {name} {layers} layers: '
                f'{trial["peak_bytes"] / MIB:.1f} MiB in all, '
                f'{trial["per_device_bytes"] / MIB:.1f} MiB per device')
     return trial['per_device_bytes'] <= budget
 
-  lo, hi = Search(_Fits, start, sizes['tolerance'], sizes['max_layers'])
+  lo, hi = search(_fits, start, sizes['tolerance'], sizes['max_layers'])
   best = trials.get(lo, {})
   return {'name': name, 'K': k, 'max_layers': lo, 'first_failing': hi,
           'limit': sizes['max_layers'],
@@ -176,27 +176,27 @@ def _Column(sizes: dict[str, Any], name: str, k: int, recompute: str | None,
           'trials': len(trials)}
 
 
-def _RecomputeRatio(sizes: dict[str, Any],
-                    devices: list[str]) -> dict[str, Any]:
+def _recompute_ratio(sizes: dict[str, Any],
+                     devices: list[str]) -> dict[str, Any]:
   """Peak memory and step time, recompute always vs never, same K, M."""
   k, m = 2, sizes['recompute_M']
   spec = common.NetSpec(sizes['recompute_layers'], sizes['width'],
                         sizes['batch'])
-  peaks = {r: PeakBytes(spec, k, m, r, devices)['peak_bytes']
+  peaks = {r: peak_bytes(spec, k, m, r, devices)['peak_bytes']
            for r in ('never', 'always')}
-  steps = {r: _Step(spec, k, m, r, devices)[1] for r in ('never', 'always')}
+  steps = {r: _step(spec, k, m, r, devices)[1] for r in ('never', 'always')}
   for fn in steps.values():
-    common.FirstCall(fn)
-  times = common.Interleaved(steps, sizes['reps'])
-  t = {r: common.Median(v) for r, v in times.items()}
-  return {'network': spec.Describe(), 'K': k, 'M': m,
+    common.first_call(fn)
+  times = common.interleaved(steps, sizes['reps'])
+  t = {r: common.median(v) for r, v in times.items()}
+  return {'network': spec.describe(), 'K': k, 'M': m,
           'peak_mib': {r: p / MIB for r, p in peaks.items()},
           'step_s': t, 'memory_ratio': peaks['always'] / peaks['never'],
           'time_ratio': t['always'] / t['never']}
 
 
 # ---- Cross-check in a child process ------------------------------------------
-def _Rss(field: str) -> int:
+def _rss(field: str) -> int:
   with open('/proc/self/status') as f:
     for line in f:
       if line.startswith(field + ':'):
@@ -204,7 +204,7 @@ def _Rss(field: str) -> int:
   raise common.BenchError(f'/proc/self/status has no {field}.')
 
 
-def _Probe(layers: int, width: int, batch: int, k: int, m: int,
+def _probe(layers: int, width: int, batch: int, k: int, m: int,
            recompute: str) -> dict[str, float]:
   """In the child: the first step's growth by allocator and by peak RSS.
 
@@ -212,26 +212,26 @@ def _Probe(layers: int, width: int, batch: int, k: int, m: int,
   for reuse (RSS does not fall after a step); the Python trace is done
   before the window opens, graph optimisation falls inside it.
   """
-  devices_lib.ConfigureLogicalCpus(max(k, 1))
-  devices = devices_lib.DefaultDevices(k)
+  devices_lib.configure_logical_cpus(max(k, 1))
+  devices = devices_lib.default_devices(k)
   spec = common.NetSpec(layers, width, batch)
-  _, step = _Step(spec, k, m, None if recompute == 'naive' else recompute,
+  _, step = _step(spec, k, m, None if recompute == 'naive' else recompute,
                   devices)
   step.get_concrete_function()
   tf.config.experimental.reset_memory_stats('CPU:0')
   current = tf.config.experimental.get_memory_info('CPU:0')['current']
-  rss = _Rss('VmRSS')
+  rss = _rss('VmRSS')
   with open('/proc/self/clear_refs', 'w') as f:
     f.write('5')  # Resets VmHWM to the current RSS.
-  common.Sync(step())
+  common.sync(step())
   return {'allocator_growth_mib': (tf.config.experimental.get_memory_info(
       'CPU:0')['peak'] - current) / MIB,
-          'rss_growth_mib': (_Rss('VmHWM') - rss) / MIB}
+          'rss_growth_mib': (_rss('VmHWM') - rss) / MIB}
 
 
-def CrossCheck(sizes: dict[str, Any], layers: int, recompute: str
-              ) -> dict[str, Any]:
-  """Runs `_Probe` in a fresh child process."""
+def cross_check(sizes: dict[str, Any], layers: int, recompute: str
+               ) -> dict[str, Any]:
+  """Runs `_probe` in a fresh child process."""
   env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL='2')
   cmd = [sys.executable, os.path.abspath(__file__), 'probe', str(layers),
          str(sizes['width']), str(sizes['batch']), '1', str(sizes['M']),
@@ -246,40 +246,40 @@ def CrossCheck(sizes: dict[str, Any], layers: int, recompute: str
 
 
 # ---- The section ----------------------------------------------------------
-def Run(args: argparse.Namespace, devices: list[str]) -> dict[str, Any]:
+def run(args: argparse.Namespace, devices: list[str]) -> dict[str, Any]:
   del devices  # Memory always runs on logical devices of this process.
-  sizes = Sizes(args.tiny)
-  devices_lib.ConfigureLogicalCpus(NUM_DEVICES)
-  devs = devices_lib.DefaultDevices(NUM_DEVICES)
+  cfg = sizes(args.tiny)
+  devices_lib.configure_logical_cpus(NUM_DEVICES)
+  devs = devices_lib.default_devices(NUM_DEVICES)
   rows, start, scale = [], 4, 1.0
   for name, k, recompute in CONFIGS:
-    rows.append(_Column(sizes, name, k, recompute, devs, start, scale))
+    rows.append(_column(cfg, name, k, recompute, devs, start, scale))
     start = max(1, rows[-1]['max_layers']) * 2  # A guess; still measured.
     if name == 'pipeline-1' and rows[-1]['sim_stage_mib']:
       # What the simulator leaves out (gradients, transients), measured.
       scale = rows[-1]['peak_mib'] / rows[-1]['sim_stage_mib']
-  common.Log('memory: recompute vs not')
-  ratio = _RecomputeRatio(sizes, devs)
-  common.Log('memory: RSS cross-check in child processes')
-  checks = [CrossCheck(sizes, max(1, rows[1]['max_layers']), 'always')]
+  common.log('memory: recompute vs not')
+  ratio = _recompute_ratio(cfg, devs)
+  common.log('memory: RSS cross-check in child processes')
+  checks = [cross_check(cfg, max(1, rows[1]['max_layers']), 'always')]
   if not args.tiny:
-    checks.insert(0, CrossCheck(sizes, max(1, rows[0]['max_layers']),
-                                'naive'))
+    checks.insert(0, cross_check(cfg, max(1, rows[0]['max_layers']),
+                                 'naive'))
   targets = [
-      report.Target(f'peak memory, recompute ÷ none ({ratio["network"]}, '
+      report.target(f'peak memory, recompute ÷ none ({ratio["network"]}, '
                     f'K={ratio["K"]}, M={ratio["M"]})', ratio['memory_ratio'],
                     '<=', TARGET_MEMORY_RATIO),
-      report.Target('step time, recompute ÷ none (same run)',
+      report.target('step time, recompute ÷ none (same run)',
                     ratio['time_ratio'], '<=', TARGET_TIME_RATIO)]
-  return {'budget_mib': sizes['budget_mib'], 'M': sizes['M'],
+  return {'budget_mib': cfg['budget_mib'], 'M': cfg['M'],
           'sim_scale': scale,
-          'network': f'FC({sizes["width"]}→{sizes["width"]}, ReLU) × L, '
-                     f'batch {sizes["batch"]}',
+          'network': f'FC({cfg["width"]}→{cfg["width"]}, ReLU) × L, '
+                     f'batch {cfg["batch"]}',
           'rows': rows, 'recompute': ratio, 'cross_check': checks,
           'targets': targets}
 
 
-def Render(s: dict[str, Any]) -> str:
+def render(s: dict[str, Any]) -> str:
   base = max(1, s['rows'][0]['max_layers'])
   rows = [[r['name'], r['max_layers'], f'{r["max_layers"] / base:.1f}×',
            r['first_failing'] or f'none ≤ {r["limit"]}', r['param_mib'],
@@ -296,7 +296,7 @@ def Render(s: dict[str, Any]) -> str:
       f'{s.get("sim_scale", 1.0):.2f} (pipeline-1\'s measured ÷ simulated '
       'peak: the gradients and transients the simulator omits).',
       '',
-      report.Table(['config', 'max layers', 'vs naive', 'first failing',
+      report.table(['config', 'max layers', 'vs naive', 'first failing',
                     'params (MiB)', 'measured peak, total (MiB)',
                     'per device (MiB)', 'simulated largest stage (MiB)'],
                    rows),
@@ -304,7 +304,7 @@ def Render(s: dict[str, Any]) -> str:
       'GPipe Table 1 for comparison (AmoebaNet-D, (L, D), parameters, '
       'parameter memory, peak activation memory):',
       '',
-      report.Table(['config', '(L, D)', 'params', 'param. memory',
+      report.table(['config', '(L, D)', 'params', 'param. memory',
                     'peak act. memory'],
                    [list(r) for r in reference.GPIPE_TABLE1_AMOEBANET]),
       '',
@@ -316,7 +316,7 @@ def Render(s: dict[str, Any]) -> str:
       f'{rc["peak_mib"]["always"]:.1f} vs {rc["peak_mib"]["never"]:.1f} MiB, '
       f'step {rc["step_s"]["always"]:.3g} vs {rc["step_s"]["never"]:.3g} s.',
       '',
-      report.TargetLines(s['targets']),
+      report.target_lines(s['targets']),
   ]
   if not s['targets'][0]['met']:
     lines.append('- What limits it: the stage inputs of all M micro-batches '
@@ -331,7 +331,7 @@ def Render(s: dict[str, Any]) -> str:
   lines += ['', 'Cross-check in a fresh child process (growth during its '
             'first step — graph optimisation included — by the allocator '
             'and by peak RSS; the allocator figure omits the weights):', '']
-  lines.append(report.Table(
+  lines.append(report.table(
       ['layers', 'config', 'allocator growth (MiB)', 'RSS growth (MiB)'],
       [[c['layers'], c['config'], c.get('allocator_growth_mib'),
         c.get('rss_growth_mib', c.get('error'))] for c in s['cross_check']]))
@@ -342,4 +342,4 @@ if __name__ == '__main__':
   if len(sys.argv) != 8 or sys.argv[1] != 'probe':
     sys.exit('usage: memory.py probe LAYERS WIDTH BATCH K M '
              '{naive,always,never}')
-  print(json.dumps(_Probe(*(int(a) for a in sys.argv[2:7]), sys.argv[7])))
+  print(json.dumps(_probe(*(int(a) for a in sys.argv[2:7]), sys.argv[7])))

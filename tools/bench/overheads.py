@@ -22,82 +22,82 @@ from lingvo_pipe.core import timeline
 TRACE_MS = (8, 64)
 
 
-def Sizes(tiny: bool) -> tuple[common.NetSpec, int]:
+def sizes(tiny: bool) -> tuple[common.NetSpec, int]:
   if tiny:
     return common.NetSpec(4, 32, 64), 1
   return common.NetSpec(16, 512, 1024), 7
 
 
-def _Versus(spec: common.NetSpec, devices: list[str],
+def _versus(spec: common.NetSpec, devices: list[str],
             reps: int) -> tuple[dict[str, float], dict[str, float]]:
   """Pipeline (K=1, M=1, never) vs hand-written vs recompute='always'."""
-  net = common.PipelineParams(spec, 1, 1, devices, 'never').Instantiate()
-  x = common.MakeInput(spec, devices[0])
-  again = common.PipelineParams(spec, 1, 1, devices, 'always').Instantiate()
-  steps = {'hand-written': common.HandWrittenStep(net, x),
-           'pipeline, never': common.PipelineStep(net, x),
-           'pipeline, always': common.PipelineStep(again, x)}
+  net = common.pipeline_params(spec, 1, 1, devices, 'never').Instantiate()
+  x = common.make_input(spec, devices[0])
+  again = common.pipeline_params(spec, 1, 1, devices, 'always').Instantiate()
+  steps = {'hand-written': common.hand_written_step(net, x),
+           'pipeline, never': common.pipeline_step(net, x),
+           'pipeline, always': common.pipeline_step(again, x)}
   for fn in steps.values():
-    common.FirstCall(fn)
-  times = common.Interleaved(steps, reps)
-  out = {name: common.Median(t) for name, t in times.items()}
+    common.first_call(fn)
+  times = common.interleaved(steps, reps)
+  out = {name: common.median(t) for name, t in times.items()}
   # The op times of the recomputing step say what recompute should cost.
-  recorder = timeline.StepRecorder(again, (x,), common.LossOn(devices[0]),
-                                   update=common.SgdUpdate)
+  recorder = timeline.StepRecorder(again, (x,), common.loss_on(devices[0]),
+                                   update=common.sgd_update)
   recorder()
   cost = timeline.calibrated_costs(recorder())[0]
   f, r, b = (cost.time(kind) for kind in timeline.KINDS)
   return out, {'F': f, 'R': r, 'B': b, 'implied_ratio': (f + r + b) / (f + b)}
 
 
-def _Tracing(spec: common.NetSpec, devices: list[str]) -> list[dict[str, Any]]:
+def _tracing(spec: common.NetSpec, devices: list[str]) -> list[dict[str, Any]]:
   """Trace time and first-call time at each M of TRACE_MS (K=1, always)."""
   rows = []
   for m in TRACE_MS:
-    net = common.PipelineParams(spec, 1, m, devices).Instantiate()
-    step = common.PipelineStep(net, common.MakeInput(spec, devices[0]))
+    net = common.pipeline_params(spec, 1, m, devices).Instantiate()
+    step = common.pipeline_step(net, common.make_input(spec, devices[0]))
     start = time.perf_counter()
     graph = step.get_concrete_function().graph
     trace = time.perf_counter() - start
-    first = common.FirstCall(step)
+    first = common.first_call(step)
     rows.append({'M': m, 'trace_s': trace, 'first_call_s': first,
                  'graph_ops': len(graph.get_operations())})
-    common.Release()
+    common.release()
   return rows
 
 
-def Run(args: argparse.Namespace, devices: list[str]) -> dict[str, Any]:
-  spec, reps = Sizes(args.tiny)
+def run(args: argparse.Namespace, devices: list[str]) -> dict[str, Any]:
+  spec, reps = sizes(args.tiny)
   reps = args.reps or reps
-  common.Log('overheads: pipeline vs hand-written vs recompute')
-  steps, ops = _Versus(spec, devices, reps)
-  common.Log(f'overheads: tracing at M={TRACE_MS}')
-  tracing = _Tracing(spec, devices)
+  common.log('overheads: pipeline vs hand-written vs recompute')
+  steps, ops = _versus(spec, devices, reps)
+  common.log(f'overheads: tracing at M={TRACE_MS}')
+  tracing = _tracing(spec, devices)
   vs_hand = steps['pipeline, never'] / steps['hand-written']
   recompute = steps['pipeline, always'] / steps['pipeline, never']
   growth = tracing[1]['trace_s'] / tracing[0]['trace_s']
   first_growth = tracing[1]['first_call_s'] / tracing[0]['first_call_s']
   targets = [
-      report.Target('pipeline (K=1, M=1, never) ÷ hand-written step',
+      report.target('pipeline (K=1, M=1, never) ÷ hand-written step',
                     vs_hand, '<=', 1.05),
-      report.Target('recompute=always ÷ never (K=1, M=1)', recompute, '<=',
+      report.target('recompute=always ÷ never (K=1, M=1)', recompute, '<=',
                     1.33),
-      report.Target(f'tracing time M={TRACE_MS[1]} ÷ M={TRACE_MS[0]}',
+      report.target(f'tracing time M={TRACE_MS[1]} ÷ M={TRACE_MS[0]}',
                     growth, '<=', 3.0),
   ]
-  return {'network': spec.Describe(), 'step_s': steps, 'op_s': ops,
+  return {'network': spec.describe(), 'step_s': steps, 'op_s': ops,
           'tracing': tracing,
           'trace_growth': growth, 'first_call_growth': first_growth,
           'targets': targets}
 
 
-def Render(s: dict[str, Any]) -> str:
+def render(s: dict[str, Any]) -> str:
   t = s['tracing']
   lines = [
       f'Network: {s["network"]}; one stage device; medians of alternating '
       'runs.',
       '',
-      report.Table(['step', 'time (s)'],
+      report.table(['step', 'time (s)'],
                    [[n, v] for n, v in s['step_s'].items()]),
       '',
       f'Op times of the recomputing step (engine timestamps): forward '
@@ -105,7 +105,7 @@ def Render(s: dict[str, Any]) -> str:
       f'ms, backward {s["op_s"]["B"] * 1e3:.3g} ms → recompute should cost '
       f'{s["op_s"]["implied_ratio"]:.2f}×.',
       '',
-      report.Table(['M', 'graph ops', 'trace (s)', 'first call (s)'],
+      report.table(['M', 'graph ops', 'trace (s)', 'first call (s)'],
                    [[r['M'], r['graph_ops'], r['trace_s'],
                      r['first_call_s']] for r in t]),
       '',
@@ -113,7 +113,7 @@ def Render(s: dict[str, Any]) -> str:
       f'{s["first_call_growth"]:.2f}×; graph ops grow '
       f'{t[1]["graph_ops"] / t[0]["graph_ops"]:.2f}×.',
       '',
-      report.TargetLines(s['targets']),
+      report.target_lines(s['targets']),
   ]
   o = s['op_s']
   notes = {

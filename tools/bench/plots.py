@@ -10,15 +10,15 @@ FIDELITY_PNG = 'fidelity.png'
 MEMORY_PNG = 'memory.png'
 
 
-def _Pyplot() -> Any:
+def _pyplot() -> Any:
   import matplotlib  # Late: only the plots need it.
   matplotlib.use('Agg')
   from matplotlib import pyplot as plt
   return plt
 
 
-def Throughput(s: dict[str, Any], path: str) -> None:
-  plt = _Pyplot()
+def throughput(s: dict[str, Any], path: str) -> None:
+  plt = _pyplot()
   ms = [r['M'] for r in s['rows']]
   fig, ax = plt.subplots(figsize=(6, 3.6))
   ax.plot(ms, [r['speedup'] for r in s['rows']], 'o-', label='measured')
@@ -38,8 +38,8 @@ def Throughput(s: dict[str, Any], path: str) -> None:
   plt.close(fig)
 
 
-def Fidelity(s: dict[str, Any], path: str) -> None:
-  plt = _Pyplot()
+def fidelity(s: dict[str, Any], path: str) -> None:
+  plt = _pyplot()
   fig, ax = plt.subplots(figsize=(6, 3.6))
   for k, marker in ((1, 'o'), (2, 's')):
     rows = [r for r in s['rows'] if r['K'] == k]
@@ -59,8 +59,8 @@ def Fidelity(s: dict[str, Any], path: str) -> None:
   plt.close(fig)
 
 
-def Memory(s: dict[str, Any], path: str) -> None:
-  plt = _Pyplot()
+def memory(s: dict[str, Any], path: str) -> None:
+  plt = _pyplot()
   rows = s['rows']
   fig, ax = plt.subplots(figsize=(6, 3.6))
   names = [r['name'] for r in rows]
@@ -76,12 +76,12 @@ def Memory(s: dict[str, Any], path: str) -> None:
   plt.close(fig)
 
 
-def WriteAll(out_dir: str, results: dict[str, Any]) -> list[str]:
+def write_all(out_dir: str, results: dict[str, Any]) -> list[str]:
   """Writes the plot of every section present; returns the paths."""
   written = []
-  for key, fn, name in (('throughput', Throughput, THROUGHPUT_PNG),
-                        ('fidelity', Fidelity, FIDELITY_PNG),
-                        ('memory', Memory, MEMORY_PNG)):
+  for key, fn, name in (('throughput', throughput, THROUGHPUT_PNG),
+                        ('fidelity', fidelity, FIDELITY_PNG),
+                        ('memory', memory, MEMORY_PNG)):
     if key in results:
       path = os.path.join(out_dir, name)
       try:

@@ -20,7 +20,7 @@ JSON_NAME = 'benchmarks.json'
 MD_NAME = 'benchmarks.md'
 
 
-def Machine() -> dict[str, Any]:
+def machine() -> dict[str, Any]:
   """CPU model, core count, TF version and the date."""
   model = platform.processor() or 'unknown CPU'
   try:
@@ -36,7 +36,7 @@ def Machine() -> dict[str, Any]:
           'date': datetime.datetime.now().strftime('%Y-%m-%d %H:%M')}
 
 
-def Target(name: str, value: float, op: str, limit: float,
+def target(name: str, value: float, op: str, limit: float,
            unit: str = '×') -> dict[str, Any]:
   """A target and whether `value op limit` holds ('<=' or '>=')."""
   met = value <= limit if op == '<=' else value >= limit
@@ -44,7 +44,7 @@ def Target(name: str, value: float, op: str, limit: float,
           'unit': unit, 'met': bool(met)}
 
 
-def Load(out_dir: str) -> dict[str, Any]:
+def load(out_dir: str) -> dict[str, Any]:
   path = os.path.join(out_dir, JSON_NAME)
   if os.path.exists(path):
     with open(path) as f:
@@ -52,27 +52,27 @@ def Load(out_dir: str) -> dict[str, Any]:
   return {}
 
 
-def Save(out_dir: str, results: dict[str, Any]) -> None:
+def save(out_dir: str, results: dict[str, Any]) -> None:
   os.makedirs(out_dir, exist_ok=True)
   with open(os.path.join(out_dir, JSON_NAME), 'w') as f:
     json.dump(results, f, indent=1, sort_keys=True)
 
 
-def Table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+def table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
   """A Markdown table; floats print with 3 significant digits."""
 
-  def _Cell(v: Any) -> str:
+  def _cell(v: Any) -> str:
     if isinstance(v, float):
       return f'{v:.3g}'
     return '—' if v is None else str(v)
 
   lines = ['| ' + ' | '.join(header) + ' |',
            '|' + '---|' * len(header)]
-  lines += ['| ' + ' | '.join(_Cell(v) for v in row) + ' |' for row in rows]
+  lines += ['| ' + ' | '.join(_cell(v) for v in row) + ' |' for row in rows]
   return '\n'.join(lines)
 
 
-def TargetLines(targets: Sequence[dict[str, Any]]) -> str:
+def target_lines(targets: Sequence[dict[str, Any]]) -> str:
   out = []
   for t in targets:
     mark = '**met**' if t['met'] else '**not met**'
@@ -82,7 +82,7 @@ def TargetLines(targets: Sequence[dict[str, Any]]) -> str:
   return '\n'.join(out)
 
 
-def SectionHeader(section: dict[str, Any]) -> str:
+def section_header(section: dict[str, Any]) -> str:
   m = section.get('machine', {})
   sizes = ('TINY sizes (smoke test: the numbers mean nothing)'
            if section.get('tiny') else 'full sizes')
@@ -91,12 +91,12 @@ def SectionHeader(section: dict[str, Any]) -> str:
           f'{section.get("devices")}; {sizes}._')
 
 
-def Render(results: dict[str, Any],
+def render(results: dict[str, Any],
            renderers: Sequence[tuple[str, str, Callable[[dict[str, Any]],
                                                         str]]]) -> str:
   """The whole report: header, then one section per (key, title, fn)."""
   run = results.get('run', {})
-  m = run.get('machine', Machine())
+  m = run.get('machine', machine())
   lines = [
       '# lingvo_pipe benchmarks',
       '',
@@ -121,11 +121,11 @@ def Render(results: dict[str, Any],
     except (KeyError, IndexError, TypeError):  # Written by an older tool.
       body = (f'_Stored results predate this version of the tool; re-run '
               f'`python tools/benchmark.py {key}`._')
-    lines += [SectionHeader(section), '', body, '']
+    lines += [section_header(section), '', body, '']
   return '\n'.join(lines)
 
 
-def WriteMarkdown(out_dir: str, text: str) -> str:
+def write_markdown(out_dir: str, text: str) -> str:
   path = os.path.join(out_dir, MD_NAME)
   with open(path, 'w') as f:
     f.write(text)

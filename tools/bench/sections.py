@@ -14,7 +14,7 @@ from bench import report
 from bench import throughput
 from bench import timeline_bench
 
-# name: (title, number of stage devices, module with Run and Render).
+# name: (title, number of stage devices, module with run and render).
 _SECTIONS = {
     'throughput': ('Throughput (GPipe Table 2)', 2, throughput),
     'memory': ('Memory (GPipe Table 1)', 0, memory),
@@ -25,20 +25,20 @@ _SECTIONS = {
 NAMES = tuple(_SECTIONS)
 
 
-def RunSection(args: argparse.Namespace) -> dict[str, Any]:
+def run_section(args: argparse.Namespace) -> dict[str, Any]:
   """Runs one sub-command on its devices; returns its JSON section."""
   _, num_devices, module = _SECTIONS[args.command]
   if not num_devices:  # Memory: logical devices of this process, always.
-    return module.Run(args, [])
-  with common.StageDevices(num_devices, args.devices) as devices:
-    return module.Run(args, devices)
+    return module.run(args, [])
+  with common.stage_devices(num_devices, args.devices) as devices:
+    return module.run(args, devices)
 
 
-def Store(out_dir: str, name: str, section: dict[str, Any], command: str,
+def store(out_dir: str, name: str, section: dict[str, Any], command: str,
           seconds: float, args: argparse.Namespace) -> None:
   """Merges `section` into the JSON and re-renders the report."""
-  results = report.Load(out_dir)
-  section.update(command=command, seconds=seconds, machine=report.Machine(),
+  results = report.load(out_dir)
+  section.update(command=command, seconds=seconds, machine=report.machine(),
                  tiny=bool(args.tiny),
                  devices=('logical CPU devices of one process'
                           if args.devices == 'logical' or name == 'memory'
@@ -46,22 +46,22 @@ def Store(out_dir: str, name: str, section: dict[str, Any], command: str,
   results[name] = section
   results['run'] = {'command': command, 'seconds': seconds,
                     'machine': section['machine']}
-  _Write(out_dir, results)
+  _write(out_dir, results)
 
 
-def Finish(out_dir: str, command: str, seconds: float) -> None:
+def finish(out_dir: str, command: str, seconds: float) -> None:
   """After `all`: the header names the whole run."""
-  results = report.Load(out_dir)
+  results = report.load(out_dir)
   results['run'] = {'command': command, 'seconds': seconds,
-                    'machine': report.Machine()}
-  _Write(out_dir, results)
+                    'machine': report.machine()}
+  _write(out_dir, results)
 
 
-def _Write(out_dir: str, results: dict[str, Any]) -> None:
-  report.Save(out_dir, results)
-  plots.WriteAll(out_dir, results)
-  text = report.Render(results, [(name, title, module.Render)
+def _write(out_dir: str, results: dict[str, Any]) -> None:
+  report.save(out_dir, results)
+  plots.write_all(out_dir, results)
+  text = report.render(results, [(name, title, module.render)
                                  for name, (title, _, module)
                                  in _SECTIONS.items()])
-  path = report.WriteMarkdown(out_dir, text)
-  common.Log(f'wrote {path}')
+  path = report.write_markdown(out_dir, text)
+  common.log(f'wrote {path}')

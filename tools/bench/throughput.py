@@ -35,32 +35,32 @@ MIN_CEILING = 1.2  # Below: the machine is too busy for a speed-up to show.
 MIN_OVERLAP_RATIO = 0.5
 
 
-def Sizes(tiny: bool) -> tuple[common.NetSpec, list[int], int]:
+def sizes(tiny: bool) -> tuple[common.NetSpec, list[int], int]:
   """(network, micro-batch counts, timed repetitions)."""
   if tiny:
     return common.NetSpec(4, 32, 16), [1, 2, 8], 1
   return common.NetSpec(16, 512, 1024), [1, 4, 8, 16, 32], 5
 
 
-def _ParallelStep(nets: list[Any], xs: list[tf.Variable]) -> Callable[[], Any]:
+def _parallel_step(nets: list[Any], xs: list[tf.Variable]) -> Callable[[], Any]:
   """One tf.function running every net's training step, independently."""
 
   @tf.function
-  def _Step() -> list[tf.Tensor]:
+  def _step() -> list[tf.Tensor]:
     losses = []
     for net, x in zip(nets, xs):
       variables = list(net.trainable_variables)
       with tf.GradientTape() as tape:
-        with fprop_context.Scope(training=True, step=0):
-          loss = common.LossOn(net.devices[-1])(net.FProp(net.theta, x))
-      common.SgdUpdate(variables, tape.gradient(loss, variables))
+        with fprop_context.scope(training=True, step=0):
+          loss = common.loss_on(net.devices[-1])(net.FProp(net.theta, x))
+      common.sgd_update(variables, tape.gradient(loss, variables))
       losses.append(loss)
     return losses
 
-  return _Step
+  return _step
 
 
-def _Together(fns: list[Callable[[], Any]]) -> Callable[[], None]:
+def _together(fns: list[Callable[[], Any]]) -> Callable[[], None]:
   """Calls every fn at once, each from its own client thread; waits for all.
 
   Separate calls of single-device functions: one multi-device function does
@@ -68,19 +68,19 @@ def _Together(fns: list[Callable[[], Any]]) -> Callable[[], None]:
   cannot measure what the machine allows.
   """
 
-  def _Run() -> None:
-    threads = [threading.Thread(target=lambda f=f: common.Sync(f()))
+  def _run() -> None:
+    threads = [threading.Thread(target=lambda f=f: common.sync(f()))
                for f in fns]
     for t in threads:
       t.start()
     for t in threads:
       t.join()
 
-  return _Run
+  return _run
 
 
-def MeasureCeiling(spec: common.NetSpec, devices: list[str], m: int,
-                   reps: int) -> dict[str, Any]:
+def measure_ceiling(spec: common.NetSpec, devices: list[str], m: int,
+                    reps: int) -> dict[str, Any]:
   """C = K × t(one process alone) / t(K processes at once), same work each.
 
   Each process runs the training step of one stage's share of the network
@@ -91,21 +91,21 @@ def MeasureCeiling(spec: common.NetSpec, devices: list[str], m: int,
   share = common.NetSpec(max(1, spec.num_layers // k), spec.width, spec.batch)
   singles = []
   for d in devices:
-    net = common.PipelineParams(share, 1, m, [d]).Instantiate()
-    singles.append(_ParallelStep([net], [common.MakeInput(share, d)]))
-  steps = {'alone': singles[0], 'together': _Together(singles)}
+    net = common.pipeline_params(share, 1, m, [d]).Instantiate()
+    singles.append(_parallel_step([net], [common.make_input(share, d)]))
+  steps = {'alone': singles[0], 'together': _together(singles)}
   for fn in singles:
-    common.FirstCall(fn)
-  times = common.Interleaved(steps, reps)
-  alone, together = (common.Median(times[n]) for n in ('alone', 'together'))
+    common.first_call(fn)
+  times = common.interleaved(steps, reps)
+  alone, together = (common.median(times[n]) for n in ('alone', 'together'))
   return {'alone_s': alone, 'together_s': together,
           'ceiling': k * alone / together, 'num_processes': k,
-          'work': f'{share.Describe()}, M={m}, one copy and one client '
+          'work': f'{share.describe()}, M={m}, one copy and one client '
                   'thread per device'}
 
 
-def _MeasureM(spec: common.NetSpec, devices: list[str], m: int, reps: int,
-              record: bool) -> dict[str, Any]:
+def _measure_m(spec: common.NetSpec, devices: list[str], m: int, reps: int,
+               record: bool) -> dict[str, Any]:
   """Step times of K=1 and K=2 at M=m, timed in alternation.
 
   With `record`, one more K=2 step runs with the engine's timestamps, and
@@ -114,29 +114,29 @@ def _MeasureM(spec: common.NetSpec, devices: list[str], m: int, reps: int,
   """
   steps, first, nets = {}, {}, {}
   for k in NUM_STAGES:
-    nets[k] = common.PipelineParams(spec, k, m, devices).Instantiate()
-    x = common.MakeInput(spec, devices[0])
-    steps[f'K={k}'] = common.PipelineStep(nets[k], x)
-    first[f'K={k}'] = common.FirstCall(steps[f'K={k}'])
-  times = common.Interleaved(steps, reps)
+    nets[k] = common.pipeline_params(spec, k, m, devices).Instantiate()
+    x = common.make_input(spec, devices[0])
+    steps[f'K={k}'] = common.pipeline_step(nets[k], x)
+    first[f'K={k}'] = common.first_call(steps[f'K={k}'])
+  times = common.interleaved(steps, reps)
   out = {'M': m, 'first_call_s': first, 'times_s': times,
-         'step_s': {n: common.Median(t) for n, t in times.items()}}
+         'step_s': {n: common.median(t) for n, t in times.items()}}
   if record:
     net = nets[max(NUM_STAGES)]
     recorder = timeline.StepRecorder(
-        net, (common.MakeInput(spec, devices[0]),),
-        common.LossOn(net.devices[-1]), update=common.SgdUpdate)
+        net, (common.make_input(spec, devices[0]),),
+        common.loss_on(net.devices[-1]), update=common.sgd_update)
     recorder()
     measured = recorder()
     predicted = simulator.simulate(timeline.calibrated_costs(measured), m)
     out['overlap'] = {'measured': timeline.overlap_fraction(measured),
                       'predicted': timeline.overlap_fraction(
                           predicted.events)}
-  common.Release()
+  common.release()
   return out
 
 
-def PaperComparison() -> list[dict[str, Any]]:
+def paper_comparison() -> list[dict[str, Any]]:
   """Simulated speed-up (balanced stages) at the paper's K, M."""
   rows = []
   for m in reference.PAPER_MICRO_BATCHES:
@@ -150,16 +150,16 @@ def PaperComparison() -> list[dict[str, Any]]:
   return rows
 
 
-def Run(args: argparse.Namespace, devices: list[str]) -> dict[str, Any]:
-  spec, ms, reps = Sizes(args.tiny)
+def run(args: argparse.Namespace, devices: list[str]) -> dict[str, Any]:
+  spec, ms, reps = sizes(args.tiny)
   reps = args.reps or reps
   ceiling_m = max(x for x in ms if x <= TARGET_M)
-  common.Log(f'throughput: ceiling C with {spec.Describe()}')
-  ceiling = MeasureCeiling(spec, devices[:2], ceiling_m, reps)
+  common.log(f'throughput: ceiling C with {spec.describe()}')
+  ceiling = measure_ceiling(spec, devices[:2], ceiling_m, reps)
   rows = []
   for m in ms:
-    common.Log(f'throughput: M={m}')
-    rows.append(_MeasureM(spec, devices, m, reps, record=m == ceiling_m))
+    common.log(f'throughput: M={m}')
+    rows.append(_measure_m(spec, devices, m, reps, record=m == ceiling_m))
   c = ceiling['ceiling']
   base = rows[0]['step_s']['K=1']
   for row in rows:
@@ -172,21 +172,21 @@ def Run(args: argparse.Namespace, devices: list[str]) -> dict[str, Any]:
   at = [r for r in rows if r['M'] == ceiling_m][0]
   ov = at['overlap']
   targets = [
-      report.Target(f'pipeline efficiency at K=2, M={ceiling_m}',
+      report.target(f'pipeline efficiency at K=2, M={ceiling_m}',
                     at['efficiency'], '>=', TARGET_EFFICIENCY, ''),
       # Sanity checks that make the efficiency meaningful: the second core
       # must add throughput, and the stages must actually run at once.
-      report.Target('ceiling C (a second core adds throughput)', c, '>=',
+      report.target('ceiling C (a second core adds throughput)', c, '>=',
                     MIN_CEILING, ''),
-      report.Target(f'stages busy at once, measured ÷ simulated (K=2, '
+      report.target(f'stages busy at once, measured ÷ simulated (K=2, '
                     f'M={ceiling_m})', ov['measured'] / max(ov['predicted'],
                                                             1e-9),
                     '>=', MIN_OVERLAP_RATIO, '')]
-  return {'network': spec.Describe(), 'ceiling': ceiling, 'rows': rows,
-          'paper': PaperComparison(), 'targets': targets}
+  return {'network': spec.describe(), 'ceiling': ceiling, 'rows': rows,
+          'paper': paper_comparison(), 'targets': targets}
 
 
-def Render(s: dict[str, Any]) -> str:
+def render(s: dict[str, Any]) -> str:
   c = s['ceiling']
   rows = [[r['M'], r['step_s']['K=1'], r['step_s']['K=2'], r['norm_k1'],
            r['norm_k2'], r['speedup'], r['ideal'], r['efficiency']]
@@ -202,16 +202,16 @@ def Render(s: dict[str, Any]) -> str:
       f'once {c["together_s"]:.3g} s vs one alone {c["alone_s"]:.3g} s; '
       f'work per process: {c["work"]}).',
       '',
-      report.Table(['M', 'K=1 step (s)', 'K=2 step (s)',
+      report.table(['M', 'K=1 step (s)', 'K=2 step (s)',
                     'K=1 thr. (÷ K=1,M=1)', 'K=2 thr. (÷ K=1,M=1)',
                     'speed-up K=2 ÷ K=1', 'ideal C·M/(M+1)', 'efficiency'],
                    rows),
       '',
-      _OverlapLine(s),
-      report.TargetLines(s['targets']),
+      _overlap_line(s),
+      report.target_lines(s['targets']),
   ]
   if not all(t['met'] for t in s['targets']):
-    lines.append(_Limits(s))
+    lines.append(_limits(s))
   lines += [
       '',
       'Simulator vs the papers (normalized to K=2, M=1, as the papers are; '
@@ -219,13 +219,13 @@ def Render(s: dict[str, Any]) -> str:
       'transfers, recompute = forward, backward = 2 × forward — not '
       'communication or the imbalance of real networks):',
       '',
-      report.Table(['M', 'K', 'simulated', 'GPipe AmoebaNet (TPU)',
+      report.table(['M', 'K', 'simulated', 'GPipe AmoebaNet (TPU)',
                     'GPipe Transformer (TPU)', 'torchgpipe (P40)'], paper),
   ]
   return '\n'.join(lines)
 
 
-def _OverlapLine(s: dict[str, Any]) -> str:
+def _overlap_line(s: dict[str, Any]) -> str:
   at = [r for r in s['rows'] if 'overlap' in r][0]
   return (f'- Both stages busy at once, K=2, M={at["M"]}: '
           f'{100 * at["overlap"]["measured"]:.0f}% of busy time measured vs '
@@ -233,7 +233,7 @@ def _OverlapLine(s: dict[str, Any]) -> str:
           '(`timeline.overlap_fraction`).')
 
 
-def _Limits(s: dict[str, Any]) -> str:
+def _limits(s: dict[str, Any]) -> str:
   """The one-line 'what limits it' note, from the measurements."""
   at = [r for r in s['rows'] if 'overlap' in r][0]
   m1 = s['rows'][0]

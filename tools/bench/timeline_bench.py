@@ -27,13 +27,13 @@ PNG = 'timeline_k2_m4.png'
 TRACE = 'timeline_k2_m4.trace.json'
 
 
-def Sizes(tiny: bool) -> tuple[common.NetSpec, int]:
+def sizes(tiny: bool) -> tuple[common.NetSpec, int]:
   if tiny:
     return common.NetSpec(4, 32, 16), 1
   return common.NetSpec(16, 512, 1024), 5
 
 
-def _Overlap(records: list[timeline.Record]) -> dict[str, Any]:
+def _overlap(records: list[timeline.Record]) -> dict[str, Any]:
   """Overlap of F(0, m+1) with F(1, m), and the F(1, m) after F(0, m) check."""
   f = {(r.stage, r.micro_batch): r for r in records if r.kind == 'F'}
   overlaps, ordered = [], True
@@ -48,15 +48,15 @@ def _Overlap(records: list[timeline.Record]) -> dict[str, Any]:
           'overlap_of_shorter': overlaps}
 
 
-def Run(args: argparse.Namespace, devices: list[str]) -> dict[str, Any]:
-  spec, reps = Sizes(args.tiny)
+def run(args: argparse.Namespace, devices: list[str]) -> dict[str, Any]:
+  spec, reps = sizes(args.tiny)
   reps = args.reps or reps
-  net = common.PipelineParams(spec, NUM_STAGES, NUM_MICRO_BATCHES,
-                              devices).Instantiate()
+  net = common.pipeline_params(spec, NUM_STAGES, NUM_MICRO_BATCHES,
+                               devices).Instantiate()
   recorder = timeline.StepRecorder(
-      net, (common.MakeInput(spec, devices[0]),),
-      common.LossOn(net.devices[-1]), update=common.SgdUpdate)
-  common.Log('timeline: K=2, M=4')
+      net, (common.make_input(spec, devices[0]),),
+      common.loss_on(net.devices[-1]), update=common.sgd_update)
+  common.log('timeline: K=2, M=4')
   recorder()  # Traces.
   runs = []
   for _ in range(reps):
@@ -73,19 +73,19 @@ def Run(args: argparse.Namespace, devices: list[str]) -> dict[str, Any]:
             ('predicted (simulator, stage costs = this step\'s median op '
              'times)', predicted.events)]
   timeline.plot_gantt(panels, os.path.join(args.out_dir, PNG),
-                      title=f'GPipe step, {spec.Describe()}, K=2, M=4, '
+                      title=f'GPipe step, {spec.describe()}, K=2, M=4, '
                       'recompute=always')
   timeline.write_chrome_trace(os.path.join(args.out_dir, TRACE), panels)
-  return {'network': spec.Describe(), 'png': PNG, 'trace': TRACE,
+  return {'network': spec.describe(), 'png': PNG, 'trace': TRACE,
           'measured_span_s': span, 'wall_s': wall,
           'predicted_s': predicted.step_time,
           'bubble_predicted': predicted.bubble_fraction,
           'overlap_measured': timeline.overlap_fraction(measured),
           'overlap_predicted': timeline.overlap_fraction(predicted.events),
-          'records': [list(r) for r in measured], **_Overlap(measured)}
+          'records': [list(r) for r in measured], **_overlap(measured)}
 
 
-def Render(s: dict[str, Any]) -> str:
+def render(s: dict[str, Any]) -> str:
   ov = ', '.join(f'{100 * o:.0f}%' for o in s['overlap_of_shorter'])
   return '\n'.join([
       f'Network: {s["network"]}. Measured span {s["measured_span_s"]:.3g} s '

@@ -14,7 +14,7 @@ from tasks.image import input_generator
 _N = 12
 
 
-def _Arrays():
+def _arrays():
   rng = np.random.default_rng(5)
   return {'image': rng.integers(0, 256, size=(_N, 28, 28, 1), dtype=np.uint8),
           'label': (np.arange(_N) % 10).astype(np.int32)}
@@ -23,30 +23,30 @@ def _Arrays():
 class _FakeInput(input_generator.FashionMnistInput):
 
   def LoadArrays(self):
-    return _Arrays()
+    return _arrays()
 
 
-def _Gen(**kwargs):
+def _gen(**kwargs):
   return _FakeInput.Params().Set(batch_size=5, **kwargs).Instantiate()
 
 
-def _Normalized(pixels):
+def _normalized(pixels):
   return (pixels.astype(np.float64) / 255 - input_generator.PIXEL_MEAN) / (
       input_generator.PIXEL_STDDEV)
 
 
 def test_eval_batches_are_normalized_in_order_with_a_partial_last_batch():
-  batches = list(_Gen(split='test').EvalDataset())
+  batches = list(_gen(split='test').EvalDataset())
   assert [int(b.label.shape[0]) for b in batches] == [5, 5, 2]
   image = np.concatenate([b.image.numpy() for b in batches])
   label = np.concatenate([b.label.numpy() for b in batches])
   assert image.dtype == np.float32 and label.dtype == np.int32
-  np.testing.assert_allclose(image, _Normalized(_Arrays()['image']),
+  np.testing.assert_allclose(image, _normalized(_arrays()['image']),
                              rtol=1e-5, atol=1e-5)
-  np.testing.assert_array_equal(label, _Arrays()['label'])
+  np.testing.assert_array_equal(label, _arrays()['label'])
 
 
-def _Shifts(original):
+def _shifts(original):
   """Every pad-2 crop and its mirror of one [28, 28] image."""
   padded = np.pad(original, 2)
   for dy in range(5):
@@ -57,27 +57,27 @@ def _Shifts(original):
 
 
 def test_augmentation_is_a_shift_or_flip_and_a_function_of_the_step():
-  gen = _Gen(augment=True)
-  indices = base_input_generator.TrainIndices(3, 5, _N, gen.params.seed)
+  gen = _gen(augment=True)
+  indices = base_input_generator.train_indices(3, 5, _N, gen.params.seed)
   first = next(iter(gen.TrainDataset(3)))
-  again = next(iter(_Gen(augment=True).TrainDataset(3)))
+  again = next(iter(_gen(augment=True).TrainDataset(3)))
   np.testing.assert_array_equal(first.image.numpy(), again.image.numpy())
   later = next(iter(gen.TrainDataset(4)))
   assert not np.array_equal(first.image.numpy(), later.image.numpy())
-  pixels = _Arrays()['image'][indices.numpy(), :, :, 0].astype(np.float64)
+  pixels = _arrays()['image'][indices.numpy(), :, :, 0].astype(np.float64)
   for got, raw in zip(first.image.numpy()[..., 0], pixels):
-    candidates = [_Normalized(c) for c in _Shifts(raw)]
+    candidates = [_normalized(c) for c in _shifts(raw)]
     assert min(np.max(np.abs(got - c)) for c in candidates) < 1e-5
 
 
 def test_image_size_resizes():
-  batch = next(iter(_Gen(image_size=40).TrainDataset(0)))
+  batch = next(iter(_gen(image_size=40).TrainDataset(0)))
   assert batch.image.shape.as_list() == [5, 40, 40, 1]
 
 
 def test_bad_split_names_the_param():
   with pytest.raises(base_input_generator.InputError, match='input.split'):
-    _Gen(split='validation')
+    _gen(split='validation')
 
 
 def test_missing_data_is_one_message_with_the_fix(tmp_path, monkeypatch):

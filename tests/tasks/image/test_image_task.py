@@ -19,7 +19,7 @@ _TINY_NET = ('task.network.num_cells: 3; task.network.filters: 4; '
              'task.network.stem_filters: 4')
 
 
-def _TinyTask(**pipeline):
+def _tiny_task(**pipeline):
   p = model.ImageClassifierTask.Params().Set(name='image')
   p.network.Set(num_cells=3, filters=4, stem_filters=4,
                 image_shape=(8, 8, 1), num_classes=5)
@@ -27,7 +27,7 @@ def _TinyTask(**pipeline):
   return p
 
 
-def _Xent(logits, labels, eps):
+def _xent(logits, labels, eps):
   """Label-smoothed cross-entropy per example, in float64."""
   logits = logits.astype(np.float64)
   logp = logits - logits.max(-1, keepdims=True)
@@ -39,7 +39,7 @@ def _Xent(logits, labels, eps):
 
 
 def test_metrics_match_numpy():
-  task = _TinyTask().Instantiate()
+  task = _tiny_task().Instantiate()
   rng = np.random.default_rng(2)
   logits = rng.normal(size=(6, 5)).astype(np.float32)
   labels = np.array([0, 1, 2, 3, 4, 0], np.int32)
@@ -47,7 +47,7 @@ def test_metrics_match_numpy():
                              NestedMap(label=tf.constant(labels)))
   accuracy = np.mean(logits.argmax(-1) == labels)
   np.testing.assert_allclose(metrics['loss'][0],
-                             _Xent(logits, labels, 0.1).mean(), rtol=1e-5)
+                             _xent(logits, labels, 0.1).mean(), rtol=1e-5)
   np.testing.assert_allclose(metrics['accuracy'][0], accuracy, rtol=1e-6)
   np.testing.assert_allclose(metrics['top1_error'][0], 1 - accuracy,
                              rtol=1e-6)
@@ -55,7 +55,7 @@ def test_metrics_match_numpy():
 
 
 def test_eval_accuracy_is_exact_over_uneven_batches():
-  task = _TinyTask().Instantiate()
+  task = _tiny_task().Instantiate()
   rng = np.random.default_rng(3)
   images = rng.normal(size=(7, 8, 8, 1)).astype(np.float32)
   labels = rng.integers(0, 5, size=7).astype(np.int32)
@@ -64,7 +64,7 @@ def test_eval_accuracy_is_exact_over_uneven_batches():
   for lo, hi in ((0, 4), (4, 7)):  # 4 + 3 examples.
     batch = NestedMap(image=tf.constant(images[lo:hi]),
                       label=tf.constant(labels[lo:hi]))
-    with fprop_context.Scope(training=False):
+    with fprop_context.scope(training=False):
       out = task.EvalStep(task.theta, batch)
       logits = task.ComputePredictions(task.theta, batch)
     predicted.append(logits.numpy().argmax(-1))
@@ -77,7 +77,7 @@ def test_eval_accuracy_is_exact_over_uneven_batches():
 
 
 def test_summaries_and_inspect_describe_the_pipeline():
-  task = _TinyTask(num_micro_batches=4).Instantiate()
+  task = _tiny_task(num_micro_batches=4).Instantiate()
   summaries = task.Summaries()
   assert summaries['pipeline/bubble_fraction'] == pytest.approx(1 / 5)
   assert summaries['pipeline/partition_imbalance'] >= 1.0
@@ -94,7 +94,7 @@ def test_summaries_and_inspect_describe_the_pipeline():
 def test_pipeline_params_that_contradict_the_network_are_refused(
     pipeline, match):
   with pytest.raises(base_layer.LayerError, match=match):
-    _TinyTask(**pipeline).Instantiate()
+    _tiny_task(**pipeline).Instantiate()
 
 
 # ---- One training step of each registered config ------------------------
@@ -123,35 +123,35 @@ _OVERRIDES = {
 
 
 def test_every_registered_image_config_is_tested():
-  names = [n for n in model_registry.ListModels() if n.startswith('image.')]
+  names = [n for n in model_registry.list_models() if n.startswith('image.')]
   assert sorted(names) == sorted(_OVERRIDES)
 
 
 @pytest.mark.parametrize('name', sorted(_OVERRIDES))
 def test_one_training_step(name):
-  params = model_registry.GetParams(name, 'Train')
+  params = model_registry.get_params(name, 'Train')
   params.FromText(_OVERRIDES[name])
   params.input.cls = _StandInInput
   batch = next(iter(params.input.Instantiate().TrainDataset(0)))
   task = params.task.Instantiate()
   train = params.task.train
   variables = task.trainable_variables
-  opt = optimizer.FromParams(train)
-  opt.Build(variables)
+  opt = optimizer.from_params(train)
+  opt.build(variables)
   before = [v.numpy() for v in task.variables]
 
   @tf.function(autograph=False)
-  def _Step(batch):
+  def _step(batch):
     stats = fprop_context.StatsCollector()
-    with fprop_context.Scope(training=True, step=0, stats=stats):
+    with fprop_context.scope(training=True, step=0, stats=stats):
       with tf.GradientTape() as tape:
         metrics = task.FProp(task.theta, batch)
       grads = tape.gradient(metrics['loss'][0], variables)
-    opt.Apply(grads, variables, learning_rate.LearningRate(train, 0), 0)
+    opt.apply(grads, variables, learning_rate.learning_rate(train, 0), 0)
     task.UpdateStats(stats.stats)
     return metrics, grads
 
-  metrics, grads = _Step(batch)
+  metrics, grads = _step(batch)
   assert np.isfinite(float(metrics['loss'][0]))
   assert all(g is not None and np.all(np.isfinite(g)) for g in grads)
   assert float(tf.linalg.global_norm(grads)) > 0

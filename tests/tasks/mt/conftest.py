@@ -16,7 +16,7 @@ from tasks.mt import vocab
 
 sys.path.insert(0, os.path.dirname(__file__))
 # pylint: disable=g-import-not-at-top,wrong-import-position
-from mt_testdata import LONG_PAIR, PAIRS, WriteTsv
+from mt_testdata import LONG_PAIR, PAIRS, write_tsv
 
 
 @pytest.fixture(scope='session')
@@ -28,9 +28,9 @@ def mt_data(tmp_path_factory) -> dict[str, str]:
                       hard_vocab_limit=False)
   return {
       'vocab': str(model),
-      'train': str(WriteTsv(root / 'train.tsv', PAIRS + [LONG_PAIR])),
-      'dev': str(WriteTsv(root / 'dev.tsv', PAIRS[:5] + [LONG_PAIR] +
-                          PAIRS[5:10])),
+      'train': str(write_tsv(root / 'train.tsv', PAIRS + [LONG_PAIR])),
+      'dev': str(write_tsv(root / 'dev.tsv', PAIRS[:5] + [LONG_PAIR] +
+                           PAIRS[5:10])),
   }
 
 
@@ -44,20 +44,20 @@ def tiny_task_params(mt_data, mt_vocab):
   """Factory of TranslationTask Params: d=16, 2 heads, 2+2 layers."""
   from tasks.mt import model  # pylint: disable=g-import-not-at-top
 
-  def Make(batch_size=4, max_len=16, num_stages=2, num_micro_batches=2,
+  def make(batch_size=4, max_len=16, num_stages=2, num_micro_batches=2,
            dropout_prob=0.0, fprop_dtype=None, **task_values):
     p = model.TranslationTask.Params().Set(
         name='mt', vocab_path=mt_data['vocab'], max_decode_len=max_len,
         **task_values)
     p.pipeline.Set(
         name='net',
-        layers=model.TransformerLayers(
+        layers=model.transformer_layers(
             mt_vocab.size, model_dim=16, num_heads=2, hidden_dim=32,
             num_encoder_layers=2, num_decoder_layers=2,
             dropout_prob=dropout_prob, atten_dropout_prob=dropout_prob,
             fprop_dtype=fprop_dtype),
         num_stages=num_stages, num_micro_batches=num_micro_batches,
-        input_shapes=model.InputShapes(batch_size, max_len))
+        input_shapes=model.input_shapes(batch_size, max_len))
     return p
 
-  return Make
+  return make

@@ -42,7 +42,7 @@ LONG_PAIR = (' '.join(['and the people of the city went out'] * 6) + '.',
              ' '.join(['y el pueblo de la ciudad salió'] * 6) + '.')
 
 
-def WriteTsv(path: pathlib.Path, pairs) -> pathlib.Path:
+def write_tsv(path: pathlib.Path, pairs) -> pathlib.Path:
   path.write_text(''.join(f'{en}\t{es}\n' for en, es in pairs),
                   encoding='utf-8')
   return path

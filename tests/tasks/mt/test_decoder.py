@@ -14,7 +14,7 @@ from tasks.mt import vocab
 PAD, EOS, BOS = vocab.PAD_ID, vocab.EOS_ID, vocab.BOS_ID
 
 
-def _Source(rng, batch, length, vocab_size):
+def _source(rng, batch, length, vocab_size):
   lengths = np.array([length, length - 3, 2][:batch])
   ids = rng.integers(4, vocab_size, size=(batch, length))
   paddings = (np.arange(length)[None] >= lengths[:, None])
@@ -22,7 +22,7 @@ def _Source(rng, batch, length, vocab_size):
   return tf.constant(ids, tf.int32), tf.constant(paddings, tf.float32)
 
 
-def _Randomise(task, seed=0):
+def _randomise(task, seed=0):
   """Larger random weights: sharper, input-dependent distributions."""
   rng = np.random.default_rng(seed)
   for var in task.trainable_variables:
@@ -30,7 +30,7 @@ def _Randomise(task, seed=0):
   return task
 
 
-def _TeacherForced(task, src_ids, src_paddings, hyp):
+def _teacher_forced(task, src_ids, src_paddings, hyp):
   """Log-probs [B, T, V] of the full (non-incremental) net fed `hyp`."""
   hyp = np.asarray(hyp)
   lengths = np.array([list(r).index(EOS) + 1 if EOS in r else len(r)
@@ -45,11 +45,11 @@ def _TeacherForced(task, src_ids, src_paddings, hyp):
 
 
 def test_greedy_equals_argmax_of_teacher_forced_fprop(tiny_task_params):
-  task = _Randomise(tiny_task_params(max_len=10).Instantiate())
-  src_ids, src_paddings = _Source(np.random.default_rng(1), 3, 10,
+  task = _randomise(tiny_task_params(max_len=10).Instantiate())
+  src_ids, src_paddings = _source(np.random.default_rng(1), 3, 10,
                                   task.params.pipeline.layers[0].vocab_size)
   hyp = task.Decode(task.theta, src_ids, src_paddings).numpy()
-  log_probs, lengths = _TeacherForced(task, src_ids, src_paddings, hyp)
+  log_probs, lengths = _teacher_forced(task, src_ids, src_paddings, hyp)
   assert lengths.max() >= 4  # A real sequence, not an immediate EOS.
   for row, n in enumerate(lengths):
     np.testing.assert_array_equal(log_probs[row, :n].argmax(-1),
@@ -58,17 +58,17 @@ def test_greedy_equals_argmax_of_teacher_forced_fprop(tiny_task_params):
 
 
 def test_beam_of_one_is_greedy_and_scores_are_log_probs(tiny_task_params):
-  task = _Randomise(tiny_task_params(max_len=10).Instantiate(), seed=2)
-  src_ids, src_paddings = _Source(np.random.default_rng(3), 3, 10,
+  task = _randomise(tiny_task_params(max_len=10).Instantiate(), seed=2)
+  src_ids, src_paddings = _source(np.random.default_rng(3), 3, 10,
                                   task.params.pipeline.layers[0].vocab_size)
   dec = decoder.PipelineDecoder(task.children.pipeline)
   theta = task.theta.pipeline
-  memory = dec.Encode(theta, src_ids, src_paddings)
-  step_fn, state = dec.StepFn(theta, memory, src_paddings, 10)
-  greedy = decoder.GreedySearch(step_fn, state, 3, 10).numpy()
-  beam = decoder.BeamSearch(step_fn, state, 3, 1, 10, length_penalty=0.0)
+  memory = dec.encode(theta, src_ids, src_paddings)
+  step_fn, state = dec.step_fn(theta, memory, src_paddings, 10)
+  greedy = decoder.greedy_search(step_fn, state, 3, 10).numpy()
+  beam = decoder.beam_search(step_fn, state, 3, 1, 10, length_penalty=0.0)
   np.testing.assert_array_equal(beam.ids.numpy(), greedy)
-  log_probs, lengths = _TeacherForced(task, src_ids, src_paddings, greedy)
+  log_probs, lengths = _teacher_forced(task, src_ids, src_paddings, greedy)
   for row, n in enumerate(lengths):
     want = log_probs[row, np.arange(n), greedy[row, :n]].sum()
     assert beam.scores.numpy()[row] == pytest.approx(want, rel=1e-4)
@@ -82,7 +82,7 @@ A, B_, C = 3, 4, 5
 V = 6
 
 
-def _Table():
+def _table():
   table = np.full((V, V, V), 0.1)
   table[:, :, EOS] = 0.5
   table[BOS, BOS] = [0.0, 0.0, 0.0, 0.5, 0.4, 0.1]
@@ -94,17 +94,17 @@ def _Table():
   return table / table.sum(-1, keepdims=True)
 
 
-def _MarkovStepFn(table):
+def _markov_step_fn(table):
   log_table = tf.constant(np.log(table), tf.float32)
 
-  def Step(ids_t, t, state):
+  def step(ids_t, t, state):
     del t
     return tf.gather_nd(log_table, tf.stack([state, ids_t], 1)), ids_t
 
-  return Step
+  return step
 
 
-def _BruteForce(table, max_len, alpha):
+def _brute_force(table, max_len, alpha):
   """Best EOS-terminated sequence by log P / lp(n), by enumeration."""
   best, best_score = None, -np.inf
   for n in range(1, max_len + 1):
@@ -122,18 +122,18 @@ def _BruteForce(table, max_len, alpha):
 
 @pytest.mark.parametrize('alpha', [0.0, 1.0])
 def test_beam_search_finds_the_exhaustive_optimum(alpha):
-  table, max_len = _Table(), 4
-  step_fn = _MarkovStepFn(table)
+  table, max_len = _table(), 4
+  step_fn = _markov_step_fn(table)
   state = tf.fill([2 * 2], BOS)  # 2 sentences × 2 beams.
-  out = decoder.BeamSearch(step_fn, state, 2, 2, max_len, alpha)
-  want, score = _BruteForce(table, max_len, alpha)
+  out = decoder.beam_search(step_fn, state, 2, 2, max_len, alpha)
+  want, score = _brute_force(table, max_len, alpha)
   assert want[:3] == [B_, C, EOS]
   for row in range(2):
     assert out.ids.numpy()[row].tolist() == want
     assert out.scores.numpy()[row] == pytest.approx(score, rel=1e-5)
   scores = out.beam_scores.numpy()
   assert (np.diff(scores, axis=1) <= 0).all()
-  greedy = decoder.GreedySearch(step_fn, tf.fill([2], BOS), 2, max_len)
+  greedy = decoder.greedy_search(step_fn, tf.fill([2], BOS), 2, max_len)
   assert greedy.numpy()[0, 0] == A  # Greedy commits to "a" and loses.
 
 
@@ -142,10 +142,10 @@ def test_greedy_stops_at_eos_and_pads():
   table[:, :, A] = 1.0
   table[:, A, EOS] = 2.0  # After "a": EOS.
   table /= table.sum(-1, keepdims=True)
-  ids = decoder.GreedySearch(_MarkovStepFn(table), tf.fill([1], BOS), 1, 5)
+  ids = decoder.greedy_search(_markov_step_fn(table), tf.fill([1], BOS), 1, 5)
   assert ids.numpy().tolist() == [[A, EOS, PAD, PAD, PAD]]
 
 
 def test_beam_search_rejects_bad_settings():
   with pytest.raises(decoder.DecodeError, match='beam_size'):
-    decoder.BeamSearch(_MarkovStepFn(_Table()), tf.fill([1], BOS), 1, 0, 4)
+    decoder.beam_search(_markov_step_fn(_table()), tf.fill([1], BOS), 1, 0, 4)

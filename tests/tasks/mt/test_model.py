@@ -14,7 +14,7 @@ from tasks.mt import input_generator
 from tasks.mt import model
 
 
-def _NpSmoothedXent(logits, labels, weights, eps):
+def _np_smoothed_xent(logits, labels, weights, eps):
   """float64 reference: target 1−ε on the label, ε/(V−1) elsewhere."""
   logits = logits.astype(np.float64)
   v = logits.shape[-1]
@@ -40,9 +40,9 @@ def test_loss_is_the_token_mean_of_smoothed_xent(tiny_task_params):
   loss, num_tokens = (float(x) for x in metrics['loss'])
   assert num_tokens == weights.sum() == 11
   assert loss == pytest.approx(
-      _NpSmoothedXent(logits, labels, weights, 0.1), rel=1e-5)
+      _np_smoothed_xent(logits, labels, weights, 0.1), rel=1e-5)
   assert float(metrics['log_pplx'][0]) == pytest.approx(
-      _NpSmoothedXent(logits, labels, weights, 0.0), rel=1e-5)
+      _np_smoothed_xent(logits, labels, weights, 0.0), rel=1e-5)
   hits = (logits.argmax(-1) == labels) * weights
   assert float(metrics['token_accuracy'][0]) == pytest.approx(
       hits.sum() / weights.sum())
@@ -85,13 +85,13 @@ def test_eval_step_decodes_every_dev_sentence(mt_data, tiny_task_params,
                           fprop_dtype=fprop_dtype).Instantiate()
 
   @tf.function(reduce_retracing=True)  # As the evaler runs it.
-  def EvalStep(batch):
-    with fprop_context.Scope(training=False):
+  def eval_step(batch):
+    with fprop_context.scope(training=False):
       return task.EvalStep(task.theta, batch)
 
   agg = task.CreateEvalAggregator()
   for batch in gen.EvalDataset():  # 11 pairs: batches of 4, 4 and 3.
-    out = EvalStep(batch)
+    out = eval_step(batch)
     assert out.hyp_ids.shape == (batch.src_ids.shape[0], 32)
     agg.Update(tf.nest.map_structure(lambda t: t.numpy(), batch),
                tf.nest.map_structure(lambda t: t.numpy(), out))

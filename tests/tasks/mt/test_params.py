@@ -25,14 +25,14 @@ DEEP = 'mt.bible_en_es.TransformerDeep'
 
 
 def test_both_configs_are_registered():
-  assert {SMALL, SMALL_BF16, DEEP} <= set(model_registry.ListModels())
-  params = model_registry.GetParams(SMALL, 'Dev')
+  assert {SMALL, SMALL_BF16, DEEP} <= set(model_registry.list_models())
+  params = model_registry.get_params(SMALL, 'Dev')
   assert params.input.split == 'dev'
   assert params.task.pipeline.num_stages == 2  # task.pipeline.* overrides.
 
 
 def test_deep_config_is_gpipes_recipe():
-  p = model_registry.GetParams(DEEP, 'Train').task
+  p = model_registry.get_params(DEEP, 'Train').task
   kinds = [lp.cls for lp in p.pipeline.layers]
   assert kinds.count(mt_layers.EncoderLayer) == 24
   assert kinds.count(mt_layers.DecoderLayer) == 24
@@ -40,14 +40,14 @@ def test_deep_config_is_gpipes_recipe():
   assert p.pipeline.layers[-1].logits_abs_max > 0
   assert p.pipeline.layers[1].ffn_init_scale < 1
   # Shapes check out over all 51 layers without building them.
-  metas = gpipe.LayerMetas(list(p.pipeline.layers), p.pipeline.input_shapes)
+  metas = gpipe.layer_metas(list(p.pipeline.layers), p.pipeline.input_shapes)
   assert metas[-1].out_shapes[0].as_list() == [256, 64, 8000]
 
 
 @pytest.mark.parametrize('name', [SMALL, SMALL_BF16, DEEP])
 def test_params_round_trip_through_text(name):
-  p = model_registry.GetParams(name, 'Train')
-  again = model_registry.GetParams(name, 'Train')
+  p = model_registry.get_params(name, 'Train')
+  again = model_registry.get_params(name, 'Train')
   again.task.train.learning_rate = 123.0
   again.FromText(p.ToText())
   assert again == p
@@ -58,7 +58,7 @@ _TINY = dict(VOCAB_SIZE=160, MAX_LEN=32, MODEL_DIM=16, NUM_HEADS=2,
 
 
 def test_small_config_trains_on_length_buckets():
-  p = model_registry.GetParams(SMALL, 'Train')
+  p = model_registry.get_params(SMALL, 'Train')
   assert p.input.bucket_upper_bounds[-1] == p.input.max_len
   # Several shapes: no single input_shapes, the partition uses costs.
   assert p.task.pipeline.input_shapes is None
@@ -67,7 +67,7 @@ def test_small_config_trains_on_length_buckets():
   assert all(n % m == 0 for n in p.input.bucket_batch_sizes)
 
 
-def _FixtureBuckets(mt_vocab):
+def _fixture_buckets(mt_vocab):
   """Two buckets of the fixture pairs, split at the median length."""
   lengths = sorted(max(len(mt_vocab.encode(en)), len(mt_vocab.encode(es)))
                    for en, es in PAIRS)
@@ -88,7 +88,7 @@ def _FixtureBuckets(mt_vocab):
 ])
 def test_one_training_step(cls, overrides, mt_data, mt_vocab, tmp_path):
   if overrides.get('BUCKETS') == 'fixture':
-    overrides = dict(overrides, BUCKETS=_FixtureBuckets(mt_vocab))
+    overrides = dict(overrides, BUCKETS=_fixture_buckets(mt_vocab))
   tiny = type(f'Tiny{cls.__name__}', (cls,), dict(_TINY, **overrides))()
   params = Params()
   params.Define('model', cls.__name__, 'Name.')
@@ -104,9 +104,9 @@ def test_one_training_step(cls, overrides, mt_data, mt_vocab, tmp_path):
                                   for k in range(stages)]
   run = trainer_lib.Trainer(params, str(tmp_path))
   before = [v.numpy() for v in run.task.trainable_variables]
-  assert run.Restore() == 0
+  assert run.restore() == 0
   writer = tf.summary.create_file_writer(str(tmp_path / 'train'))
-  run.Train(params.input.Instantiate(), writer)
+  run.train(params.input.Instantiate(), writer)
   writer.close()
   assert int(run.step.numpy()) == 1
   after = [v.numpy() for v in run.task.trainable_variables]

@@ -12,7 +12,7 @@ from mt_testdata import LONG_PAIR, PAIRS  # pylint: disable=g-bad-import-order
 MAX_LEN = 32
 
 
-def _Gen(mt_data, split, **kwargs):
+def _gen(mt_data, split, **kwargs):
   values = dict(split=split, batch_size=4, max_len=MAX_LEN,
                 tsv_path=mt_data[split if split == 'dev' else 'train'],
                 vocab_path=mt_data['vocab'])
@@ -29,7 +29,7 @@ def test_fixture_lengths(mt_vocab):
 
 
 def test_training_arrays_shift_pad_and_drop(mt_data, mt_vocab):
-  gen = _Gen(mt_data, 'train')
+  gen = _gen(mt_data, 'train')
   arrays = gen.Arrays()
   assert gen.num_dropped == 1 and gen.num_examples == len(PAIRS)
   for key in ('src_ids', 'src_paddings', 'tgt_ids', 'tgt_labels',
@@ -51,7 +51,7 @@ def test_training_arrays_shift_pad_and_drop(mt_data, mt_vocab):
 
 
 def test_eval_keeps_and_cuts_long_pairs(mt_data):
-  gen = _Gen(mt_data, 'dev')
+  gen = _gen(mt_data, 'dev')
   arrays = gen.Arrays()
   assert gen.num_truncated == 1 and gen.num_examples == 11
   row = list(arrays['tgt_text']).index(LONG_PAIR[1])  # Full reference.
@@ -60,7 +60,7 @@ def test_eval_keeps_and_cuts_long_pairs(mt_data):
 
 
 def test_train_batches_are_fixed_and_a_function_of_the_step(mt_data):
-  gen = _Gen(mt_data, 'train')
+  gen = _gen(mt_data, 'train')
   from_0 = [b for _, b in zip(range(8), gen.TrainDataset(0))]
   from_5 = next(iter(gen.TrainDataset(5)))
   for batch in from_0:
@@ -71,7 +71,7 @@ def test_train_batches_are_fixed_and_a_function_of_the_step(mt_data):
 
 
 def test_eval_batches_carry_the_references(mt_data):
-  batches = list(_Gen(mt_data, 'dev').EvalDataset())
+  batches = list(_gen(mt_data, 'dev').EvalDataset())
   assert [b.src_ids.shape[0] for b in batches] == [4, 4, 3]
   assert batches[0].tgt_text.numpy()[0].decode() == PAIRS[0][1]
 
@@ -80,34 +80,34 @@ def test_bad_tsv_line_is_named(tmp_path, mt_data):
   path = tmp_path / 'bad.tsv'
   path.write_text('one\ttwo\nno tab here\n', encoding='utf-8')
   with pytest.raises(base_input_generator.InputError, match='line 2'):
-    _Gen(mt_data, 'train', tsv_path=str(path)).Arrays()
+    _gen(mt_data, 'train', tsv_path=str(path)).Arrays()
 
 
 @pytest.mark.parametrize('values,match', [(dict(split='valid'), 'split'),
                                           (dict(max_len=1), 'max_len')])
 def test_bad_params_are_named(mt_data, values, match):
-  p = _Gen(mt_data, 'train').params.Copy().Set(**values)
+  p = _gen(mt_data, 'train').params.Copy().Set(**values)
   with pytest.raises(base_input_generator.InputError, match=match):
     p.Instantiate()
 
 
-def _BucketGen(mt_data, mt_vocab):
+def _bucket_gen(mt_data, mt_vocab):
   """Two buckets split at the median pair length of the fixture."""
   lengths = sorted(max(len(mt_vocab.encode(en)), len(mt_vocab.encode(es)))
                    for en, es in PAIRS)
   bound = lengths[len(lengths) // 2]
-  return _Gen(mt_data, 'train', bucket_upper_bounds=[bound, MAX_LEN],
+  return _gen(mt_data, 'train', bucket_upper_bounds=[bound, MAX_LEN],
               bucket_batch_sizes=[4, 2]), bound
 
 
 def test_buckets_have_fixed_shapes_and_whole_epochs(mt_data, mt_vocab):
-  gen, bound = _BucketGen(mt_data, mt_vocab)
+  gen, bound = _bucket_gen(mt_data, mt_vocab)
   full = gen.Arrays()
   length = MAX_LEN - np.minimum(full['src_paddings'].sum(1),
                                 full['tgt_paddings'].sum(1))
   small = int((length <= bound).sum())
   steps = [small // 4, (len(PAIRS) - small) // 2]
-  cycle = input_generator.BucketCycle(steps)
+  cycle = input_generator.bucket_cycle(steps)
   assert sorted(cycle.tolist()) == [0] * steps[0] + [1] * steps[1]
   seen = {0: [], 1: []}
   for step, batch in zip(range(len(cycle)), gen.TrainDataset(0)):
@@ -125,7 +125,7 @@ def test_buckets_have_fixed_shapes_and_whole_epochs(mt_data, mt_vocab):
 
 
 def test_bucketed_order_is_a_function_of_the_step(mt_data, mt_vocab):
-  gen, _ = _BucketGen(mt_data, mt_vocab)
+  gen, _ = _bucket_gen(mt_data, mt_vocab)
   from_0 = [b for _, b in zip(range(12), gen.TrainDataset(0))]
   for start in (5, 11):
     again = next(iter(gen.TrainDataset(start)))
@@ -137,7 +137,7 @@ def test_bucketed_order_is_a_function_of_the_step(mt_data, mt_vocab):
                                           ([24, 16, 32], [4, 2, 2]),
                                           ([16, 32], [4])])
 def test_bad_buckets_are_named(mt_data, bounds, sizes):
-  p = _Gen(mt_data, 'train').params.Copy().Set(bucket_upper_bounds=bounds,
+  p = _gen(mt_data, 'train').params.Copy().Set(bucket_upper_bounds=bounds,
                                                bucket_batch_sizes=sizes)
   with pytest.raises(base_input_generator.InputError, match='bucket'):
     p.Instantiate()
