@@ -10,7 +10,10 @@ the first step; a later run in the same logdir must have the same params
 A run can be killed at any moment (even SIGKILL) and restarted: it resumes
 from the latest complete checkpoint, which holds the weights, the optimizer
 slots and the global step, and the input order is a pure function of the
-step, so it ends with the weights of an uninterrupted run. A step whose loss
+step, so it ends with the weights of an uninterrupted run. SIGTERM or
+Ctrl-C (and --max_train_minutes running out) stop it after the current step
+with a checkpoint of that step; a second signal stops it at once. A step
+whose loss
 or gradient is not finite applies nothing, and the trainer stops (exit 1)
 without saving, so the last checkpoint stays the last good one.
 
@@ -24,6 +27,7 @@ from __future__ import annotations
 from lingvo_pipe import _cli  # First: imports TensorFlow without its banner.
 
 import os
+import signal
 import sys
 import time
 
@@ -55,6 +59,10 @@ _OVERRIDE_FILE = flags.DEFINE_string(
     'applied before --model_params_override.')
 _MAX_STEPS = flags.DEFINE_integer('max_steps', None, 'Overrides '
                                   'task.train.max_steps.')
+_MAX_MINUTES = flags.DEFINE_float(
+    'max_train_minutes', 0.0, 'Stop after this many minutes of training '
+    '(from the first step, tracing included) with a checkpoint of the last '
+    'step; 0 = no limit. A later run continues to max_steps.')
 _NUM_CPUS = flags.DEFINE_integer(
     'num_logical_cpu_devices', 2, 'Split the CPU into this many logical '
     'devices (pipeline stages without accelerators).')
@@ -91,6 +99,7 @@ class Trainer:
     # No AutoGraph: FProps are graph code already (tf.cond, tf.while_loop),
     # and converting the pipeline's Python makes tracing ~3x slower.
     self._step_fn = tf.function(self._train_step, autograph=False)
+    self.stop_reason = ''  # Set (by a signal handler) to stop after a step.
 
   def restore(self) -> int:
     """Opens the checkpoint manager, restores the latest checkpoint if any."""
@@ -142,9 +151,15 @@ class Trainer:
     return metrics, norm, applied, lr
 
   def train(self, generator: base_input_generator.BaseInputGenerator,
-            writer: tf.summary.SummaryWriter) -> None:
-    """Trains from the current step to max_steps; exits 1 on a bad step."""
+            writer: tf.summary.SummaryWriter,
+            max_minutes: float = 0.0) -> None:
+    """Trains from the current step to max_steps; exits 1 on a bad step.
+
+    Stops early, with a checkpoint of the last step, after `max_minutes`
+    (if > 0) or once `stop_reason` is set.
+    """
     train = self._train
+    deadline = time.time() + 60 * max_minutes if max_minutes > 0 else None
     start = int(self.step.numpy())
     batch_size = generator.params.batch_size
     progress = _Progress(train.max_steps, batch_size)
@@ -161,9 +176,15 @@ class Trainer:
       if done % train.summary_interval_steps == 0 or done == train.max_steps:
         self._write_summaries(writer, done, metrics, norm, lr,
                               rate.examples_per_sec(done))
-      if done % train.save_interval_steps == 0 or done == train.max_steps:
+      if deadline is not None and time.time() >= deadline:
+        self.stop_reason = f'--max_train_minutes={max_minutes:g} reached'
+      last = done >= train.max_steps or bool(self.stop_reason)
+      if done % train.save_interval_steps == 0 or last:
         logging.info('Saved %s.', self.save())
-      if done >= train.max_steps:
+      if self.stop_reason and done < train.max_steps:
+        logging.info('Stopped at step %d of %d (%s); run again to continue.',
+                     done, train.max_steps, self.stop_reason)
+      if last:
         break
     progress.log(overall=True)
 
@@ -254,6 +275,10 @@ def build_params() -> Params:
   _cli.apply_overrides(params, file_text, _OVERRIDE.value)
   if _MAX_STEPS.value is not None:
     params.task.train.max_steps = _MAX_STEPS.value
+  if _MAX_MINUTES.value < 0:
+    raise _cli.UserError(f'--max_train_minutes={_MAX_MINUTES.value:g} is '
+                         'negative; give the minutes to train, or 0 for no '
+                         'limit.')
   _cli.set_devices(params, _DEVICES.value)
   _cli.validate_train_params(params)
   return params
@@ -323,9 +348,24 @@ def _main(argv: list[str]) -> None:
                  params.task.train.max_steps)
     return
   writer = _cli.summary_writer(logdir, 'train')
+  _stop_after_step_on_signals(trainer)
   with _cli.exit_on_user_error('trainer'):
-    trainer.train(generator, writer)
+    trainer.train(generator, writer, _MAX_MINUTES.value)
   writer.close()
+
+
+def _stop_after_step_on_signals(trainer: Trainer) -> None:
+  """SIGTERM/SIGINT: finish the step, checkpoint it, exit 0; twice: now."""
+
+  def _handler(signum: int, _) -> None:
+    if trainer.stop_reason:  # The second signal: stop without a checkpoint.
+      raise SystemExit(128 + signum)
+    trainer.stop_reason = f'{signal.Signals(signum).name} received'
+    logging.info('%s: stopping after this step with a checkpoint (send it '
+                 'again to stop at once).', trainer.stop_reason)
+
+  for signum in (signal.SIGTERM, signal.SIGINT):
+    signal.signal(signum, _handler)
 
 
 def run() -> None:

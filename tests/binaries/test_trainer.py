@@ -1,4 +1,5 @@
-"""The trainer binary end to end: logdir, resume after SIGKILL, NaN, params."""
+"""The trainer binary end to end: logdir, resume after SIGKILL, NaN, params,
+stopping cleanly on SIGTERM and on --max_train_minutes."""
 
 import os
 import shutil
@@ -167,3 +168,30 @@ def test_sigkill_then_restart_reproduces_uninterrupted_weights(tmp_path):
                               br.read_checkpoint(str(killed / final)))
   print(f'killed after {survived[-1]}; max relative difference {diff:.3g}')
   assert diff <= 1e-6
+
+
+def test_sigterm_and_time_limit_stop_after_a_step_with_its_checkpoint(
+    tmp_path):
+  args = (f'--model={br.MODEL}', '--max_steps=100000',
+          f'--model_params_override={br.FAST}; '
+          'task.train.save_interval_steps: 100000')  # Only the final save.
+  termed = br.start('trainer', *args, f'--logdir={tmp_path / "termed"}')
+  timed = br.start('trainer', *args, f'--logdir={tmp_path / "timed"}',
+                   '--max_train_minutes=0.02')
+  deadline = time.monotonic() + 240
+  while not (tmp_path / 'termed' / 'train').exists():  # Training started.
+    assert termed.poll() is None and time.monotonic() < deadline
+    time.sleep(0.05)
+  time.sleep(1.0)
+  termed.send_signal(signal.SIGTERM)
+  for proc, name, reason in ((termed, 'termed', 'SIGTERM received'),
+                             (timed, 'timed', '--max_train_minutes=0.02 reached')):
+    rc, _, err = br.finish(proc)
+    assert rc == 0, err
+    listed = checkpoints.list_checkpoints(str(tmp_path / name))
+    assert len(listed) == 1, listed  # The stop's own save.
+    step = checkpoints.step_of(listed[0])
+    assert 0 < step < 100000
+    assert f'Stopped at step {step} of 100000 ({reason})' in err
+    values = br.read_checkpoint(listed[0])
+    assert values['step/.ATTRIBUTES/VARIABLE_VALUE'] == step
