@@ -11,6 +11,15 @@ hands back the device strings for `PipeliningLayer.Params().devices`:
       p.devices = c.devices          # ['/job:worker/replica:0/task:0/...']
       net = p.Instantiate()          # variables live on the workers
 
+The client itself can run stage 0, which saves a core and one hop:
+`pin_client([0])` before TensorFlow starts, K−1 workers on the other
+cores, and `p.devices = [c.client_device] + c.devices`. On TF 2.21 this
+is also what makes stages overlap: the eager remote runtime launches the
+remote parts of one multi-device function one after another, so a
+pipeline whose stages all live on workers runs them in turn (measured 0%
+overlap), while a client stage runs concurrently with a worker stage
+(K=2 vs K=1 1.5× faster at M=8; docs/benchmarks.md).
+
 Workers on other hosts work the same way: connect with
 `tf.config.experimental_connect_to_cluster` to their ClusterSpec and list the
 '/job:worker/task:k/device:...' strings in `p.devices`.
@@ -30,6 +39,7 @@ import time
 from typing import Sequence
 
 _JOB = 'worker'
+CLIENT_DEVICE = '/job:localhost/replica:0/task:0/device:CPU:0'
 
 
 def _free_port() -> int:
@@ -42,23 +52,49 @@ class ClusterError(RuntimeError):
   """A worker failed to start; the message includes its log."""
 
 
+def pin_client(cores: Sequence[int], intra_op_threads: int = 1,
+               inter_op_threads: int = 4) -> None:
+  """Pins this (client) process to `cores` so it can host a stage itself.
+
+  Call it before TensorFlow's runtime starts (before any op, variable or
+  device query). A few inter-op threads let the client run its own
+  stage while it dispatches to and waits on the workers.
+  """
+  import tensorflow as tf  # Late: the workers' entry point needs none.
+  try:
+    tf.config.threading.set_intra_op_parallelism_threads(intra_op_threads)
+    tf.config.threading.set_inter_op_parallelism_threads(inter_op_threads)
+  except RuntimeError as e:
+    raise ClusterError(
+        f'pin_client({list(cores)}) came after TensorFlow\'s runtime '
+        f'started ({e}); call it first thing, before any TF op, variable or '
+        'device query.') from None
+  os.sched_setaffinity(0, set(cores))
+
+
 class LocalCluster:
   """K single-core TF worker processes on 127.0.0.1, one per stage."""
 
   def __init__(self, num_workers: int,
                cores: Sequence[Sequence[int]] | None = None,
                threads_per_worker: int = 1,
-               connect: bool = True) -> None:
+               connect: bool = True, first_core: int = 0) -> None:
     """Args:
-      num_workers: K, one per pipeline stage.
+      num_workers: one per pipeline stage the workers run.
       cores: CPU ids each worker is pinned to; default worker k → core
-        k mod (#cores).
+        (first_core + k) mod (#cores).
       threads_per_worker: intra-op threads of each worker.
       connect: connect this process to the cluster as its client.
+      first_core: the first worker's core when `cores` is not given, e.g. 1
+        when the client runs stage 0 on core 0 (`pin_client([0])`).
     """
+    if num_workers < 1:
+      raise ClusterError(f'LocalCluster(num_workers={num_workers}): needs at '
+                         'least one worker; with none, run on this process '
+                         'alone.')
     ncpu = os.cpu_count() or 1
     self._cores = [list(c) for c in cores] if cores else [
-        [k % ncpu] for k in range(num_workers)]
+        [(first_core + k) % ncpu] for k in range(num_workers)]
     self._threads = threads_per_worker
     self._connect = connect
     self._addrs = [f'127.0.0.1:{_free_port()}' for _ in range(num_workers)]
@@ -69,6 +105,11 @@ class LocalCluster:
   def devices(self) -> list[str]:
     return [f'/job:{_JOB}/replica:0/task:{k}/device:CPU:0'
             for k in range(len(self._addrs))]
+
+  @property
+  def client_device(self) -> str:
+    """This process's CPU, for a stage the client runs (`pin_client`)."""
+    return CLIENT_DEVICE
 
   @property
   def pids(self) -> list[int]:

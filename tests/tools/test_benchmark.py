@@ -71,13 +71,14 @@ def test_worker_processes_tiny_and_none_left_behind(tmp_path):
        '--out_dir', str(tmp_path)], capture_output=True, text=True,
       timeout=600, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL='2'))
   assert proc.returncode == 0, proc.stderr[-3000:]
-  found = re.search(r'2 worker processes, pids \[(\d+), (\d+)\]', proc.stderr)
+  found = re.search(r'on this process \(pid (\d+), core 0\); 1 worker '
+                    r'process\(es\), pids \[(\d+)\]', proc.stderr)
   assert found, proc.stderr[-3000:]
   for pid in map(int, found.groups()):
     with pytest.raises(ProcessLookupError):
-      os.kill(pid, 0)  # Stopped and reaped.
+      os.kill(pid, 0)  # Stopped and reaped: the section child and its worker.
   section = json.loads((tmp_path / 'benchmarks.json').read_text())['timeline']
-  assert section['devices'] == 'single-core TF worker processes'
+  assert section['devices'].startswith('stage 0 on the benchmark process')
   assert len(section['records']) == 2 * 4 * 3
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import os
 import statistics
 import sys
 import time
@@ -130,8 +131,9 @@ NUM_LOGICAL_DEVICES = 4
 def stage_devices(num_devices: int, mode: str) -> Iterator[list[str]]:
   """`num_devices` stage devices: worker processes or logical CPUs.
 
-  'workers' starts one single-core TF worker process per device (real
-  parallelism; stopped by PID on exit); 'logical' splits this process's CPU
+  'workers' pins this process to core 0 as the first device and starts
+  one single-core TF worker process per further device (real parallelism;
+  stopped by PID on exit); 'logical' splits this process's CPU
   (placement only: the devices share one thread pool and one allocator).
   """
   if mode == 'logical':
@@ -140,9 +142,17 @@ def stage_devices(num_devices: int, mode: str) -> Iterator[list[str]]:
     devices_lib.configure_logical_cpus(max(num_devices, NUM_LOGICAL_DEVICES))
     yield devices_lib.default_devices(num_devices)
   elif mode == 'workers':
-    with cluster.LocalCluster(num_devices) as workers:
-      log(f'{num_devices} worker processes, pids {workers.pids}')
-      yield workers.devices
+    # This process runs stage 0 on core 0 and each other stage has a
+    # single-core worker process: on TF 2.21 stages that all live on
+    # workers take turns instead of overlapping (cluster.py).
+    cluster.pin_client([0])
+    if num_devices == 1:
+      yield [cluster.CLIENT_DEVICE]
+      return
+    with cluster.LocalCluster(num_devices - 1, first_core=1) as workers:
+      log(f'stage 0 on this process (pid {os.getpid()}, core 0); '
+          f'{num_devices - 1} worker process(es), pids {workers.pids}')
+      yield [workers.client_device] + workers.devices
   else:
     raise BenchError(f'--devices={mode!r}; use one of {DEVICE_MODES}.')
 

@@ -1,4 +1,4 @@
-"""What the pipeline machinery itself costs, on one single-core worker.
+"""What the pipeline machinery itself costs, on one single-core device.
 
 * K=1, M=1, recompute='never' is the pipeline doing nothing: its step
   should cost what a hand-written `tf.function` step of the same layers and

@@ -51,7 +51,8 @@ def fidelity(s: dict[str, Any], path: str) -> None:
   ax.set_xlabel('micro-batches M')
   ax.set_ylabel('step (s)')
   ax.set_ylim(bottom=0)
-  ax.set_title('Simulator (calibrated on K=1, M=1) vs measured', fontsize=10)
+  ax.set_title('Simulator vs measured (calibrated on K=1 at M=1 and '
+               'max M, and K=2 at M=1)', fontsize=9)
   ax.grid(alpha=0.3)
   ax.legend(fontsize=8)
   fig.tight_layout()

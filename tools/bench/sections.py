@@ -42,7 +42,8 @@ def store(out_dir: str, name: str, section: dict[str, Any], command: str,
                  tiny=bool(args.tiny),
                  devices=('logical CPU devices of one process'
                           if args.devices == 'logical' or name == 'memory'
-                          else 'single-core TF worker processes'))
+                          else 'stage 0 on the benchmark process pinned to core 0, each '
+                          'further stage on a single-core TF worker process'))
   results[name] = section
   results['run'] = {'command': command, 'seconds': seconds,
                     'machine': section['machine']}

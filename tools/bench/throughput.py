@@ -1,8 +1,10 @@
 """Throughput in the shape of GPipe Table 2, normalized within one run.
 
-K=1 is one single-core worker process; K=2 is two, one per stage. Two cores
-never run perfectly parallel work twice as fast as one (shared caches,
-memory bandwidth, turbo, the other tenants of the machine), so the run also
+K=1 is the benchmark process pinned to one core; K=2 adds one single-core
+TF worker process for stage 1 (cluster.py says why stage 0 stays on the
+client). Two cores never run perfectly parallel work twice as fast as one
+(shared caches, memory bandwidth, turbo, the other tenants of the
+machine), so the run also
 measures that ceiling C: the same stage work in K independent processes at
 once vs one alone. Pipeline efficiency is then
 

@@ -1,4 +1,4 @@
-"""The picture: one real K=2, M=4 step on two worker processes.
+"""The picture: one real K=2, M=4 step on two processes.
 
 The measured panel comes from the engine's timestamps; the predicted panel
 is the simulator run on stage costs calibrated from this same step's median
@@ -68,7 +68,7 @@ def run(args: argparse.Namespace, devices: list[str]) -> dict[str, Any]:
   predicted = simulator.simulate(timeline.calibrated_costs(measured),
                                  NUM_MICRO_BATCHES, 'always')
   os.makedirs(args.out_dir, exist_ok=True)
-  panels = [(f'measured (engine timestamps, {NUM_STAGES} worker processes)',
+  panels = [(f'measured (engine timestamps, {NUM_STAGES} processes)',
              measured),
             ('predicted (simulator, stage costs = this step\'s median op '
              'times)', predicted.events)]
