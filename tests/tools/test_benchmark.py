@@ -37,7 +37,7 @@ _EXPECTED = {
     'fidelity': ['| K | M | measured span (s) | predicted (s) | error |',
                  'worst |predicted ÷ measured − 1|'],
     'timeline': ['timeline_k2_m4.png', 'timeline_k2_m4.trace.json',
-                 'Both stages busy at once'],
+                 'Both stages busy at once', 'Stage 0 backward (R, B) of m+1'],
 }
 _FILES = {'throughput': ['throughput.png'], 'memory': ['memory.png'],
           'overheads': [], 'fidelity': ['fidelity.png'],

@@ -4,8 +4,9 @@ The measured panel comes from the engine's timestamps; the predicted panel
 is the simulator run on stage costs calibrated from this same step's median
 F, R and B durations (`timeline.calibrated_costs`), so the two differ only
 where the real step leaves the schedule: transfers, dispatch gaps, noise.
-The numbers that say "it pipelines": how much stage 0's forward of
-micro-batch m+1 overlaps stage 1's forward of m.
+The numbers that say "it pipelines": how much stage 0's work on
+micro-batch m+1 overlaps stage 1's work on m, in the forward (F) and in
+the backward (R then B, micro-batches in reverse order).
 """
 
 from __future__ import annotations
@@ -33,19 +34,32 @@ def sizes(tiny: bool) -> tuple[common.NetSpec, int]:
   return common.NetSpec(16, 512, 1024), 5
 
 
+def _shared(a: tuple[float, float], b: tuple[float, float]) -> float:
+  """Overlap of two intervals as a share of the shorter one."""
+  shared = max(0.0, min(a[1], b[1]) - max(a[0], b[0]))
+  return shared / max(1e-12, min(a[1] - a[0], b[1] - b[0]))
+
+
 def _overlap(records: list[timeline.Record]) -> dict[str, Any]:
-  """Overlap of F(0, m+1) with F(1, m), and the F(1, m) after F(0, m) check."""
+  """Stage 0 on m+1 vs stage 1 on m (forward; backward = R..B), and the
+  F(1, m)-after-F(0, m) check."""
   f = {(r.stage, r.micro_batch): r for r in records if r.kind == 'F'}
-  overlaps, ordered = [], True
+  back: dict[tuple[int, int], list[float]] = {}
+  for r in records:
+    if r.kind in ('R', 'B'):
+      span = back.setdefault((r.stage, r.micro_batch), [r.start, r.end])
+      span[0], span[1] = min(span[0], r.start), max(span[1], r.end)
+  forward, backward, ordered = [], [], True
   for m in range(NUM_MICRO_BATCHES):
     ordered &= f[(1, m)].start >= f[(0, m)].end - _STAMP_SLACK_S
     if m + 1 < NUM_MICRO_BATCHES:
-      a, b = f[(0, m + 1)], f[(1, m)]
-      shared = max(0.0, min(a.end, b.end) - max(a.start, b.start))
-      overlaps.append(shared / max(1e-12, min(a.end - a.start,
-                                              b.end - b.start)))
+      forward.append(_shared((f[(0, m + 1)].start, f[(0, m + 1)].end),
+                             (f[(1, m)].start, f[(1, m)].end)))
+      backward.append(_shared(tuple(back[(0, m + 1)]),
+                              tuple(back[(1, m)])))
   return {'forward_order_ok': bool(ordered),
-          'overlap_of_shorter': overlaps}
+          'overlap_of_shorter': forward,
+          'backward_overlap_of_shorter': backward}
 
 
 def run(args: argparse.Namespace, devices: list[str]) -> dict[str, Any]:
@@ -87,6 +101,8 @@ def run(args: argparse.Namespace, devices: list[str]) -> dict[str, Any]:
 
 def render(s: dict[str, Any]) -> str:
   ov = ', '.join(f'{100 * o:.0f}%' for o in s['overlap_of_shorter'])
+  back = ', '.join(f'{100 * o:.0f}%' for o in
+                   s.get('backward_overlap_of_shorter', []))
   return '\n'.join([
       f'Network: {s["network"]}. Measured span {s["measured_span_s"]:.3g} s '
       f'(wall {s["wall_s"]:.3g} s) vs predicted {s["predicted_s"]:.3g} s '
@@ -98,6 +114,8 @@ def render(s: dict[str, Any]) -> str:
       f'{"yes" if s["forward_order_ok"] else "NO"}.',
       f'- Stage 0 forward m+1 overlaps stage 1 forward m (share of the '
       f'shorter op, m = 0..2): {ov}.',
+      f'- Stage 0 backward (R, B) of m+1 overlaps stage 1 backward of m: '
+      f'{back}.',
       f'- Both stages busy at once: {100 * s["overlap_measured"]:.0f}% of '
       f'busy time measured, {100 * s["overlap_predicted"]:.0f}% predicted.',
       f'- Chrome trace: [{s["trace"]}]({s["trace"]}) (open in '
