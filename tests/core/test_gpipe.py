@@ -362,3 +362,53 @@ def test_integer_inputs_and_sparse_gradients():
                     tf.int32)
   report = gpipe.check_transparency(p, (ids,), step=1)
   assert max(report.loss, report.outputs, report.gradients) < 1e-5, report
+
+
+def _matmuls_by_device(graph: tf.Graph) -> dict[str, int]:
+  """MatMuls in `graph` and the functions it calls, by effective device
+  (an op's own device, else the device of the call that runs it)."""
+  graph_def = graph.as_graph_def()
+  library = {f.signature.name: f for f in graph_def.library.function}
+  counts: dict[str, int] = {}
+
+  def _walk(nodes, device: str) -> None:
+    for node in nodes:
+      placed = node.device or device
+      if node.op == 'MatMul':
+        counts[placed] = counts.get(placed, 0) + 1
+      callee = (node.attr['f'].func.name if 'f' in node.attr else
+                node.op if node.op in library else '')
+      if callee:
+        _walk(library[callee].node_def, placed)
+
+  _walk(graph_def.node, '')
+  return counts
+
+
+@pytest.mark.parametrize('recompute', POLICIES)
+def test_forward_recompute_and_backward_run_on_the_stage_device(recompute):
+  # The trap: one tape over every stage puts all backward matmuls on the
+  # first device. Each stage's 2 layers × M=2 micro-batches must have their
+  # forward (1 MatMul), recompute (1, if any) and backward (2: dx, dw) on
+  # that stage's device, and nothing anywhere else.
+  layers = [linear.FCLayer.Params().Set(name=f'fc{i}', input_dim=8,
+                                        output_dim=8, activation='RELU')
+            for i in range(4)]
+  p = gpipe.PipeliningLayer.Params().Set(
+      name='net', layers=layers, num_stages=2, split_points=[2],
+      num_micro_batches=2, recompute=recompute, devices=DEVICES[:2])
+  net = p.Instantiate()
+  x = tf.ones([4, 8])
+
+  @tf.function
+  def _step():
+    with tf.GradientTape() as tape:
+      with fprop_context.scope(training=True, step=0):
+        loss = tf.reduce_sum(tf.square(net.FProp(net.theta, x)))
+    return tape.gradient(loss, net.trainable_variables)
+
+  counts = _matmuls_by_device(_step.get_concrete_function().graph)
+  recomputes = {'always': (1, 1), 'except_last': (1, 0), 'never': (0, 0)}
+  expected = {DEVICES[k]: 2 * 2 * (3 + recomputes[recompute][k])
+              for k in range(2)}
+  assert counts == expected
