@@ -50,6 +50,8 @@ class NestedMap(dict):
     try:
       return self[name]
     except KeyError:
+      if name.startswith('__'):  # Protocol probes (hasattr), not typos:
+        raise AttributeError(name) from None  # tracing makes thousands.
       close = difflib.get_close_matches(name, list(self.keys()), n=3)
       hint = f' Did you mean {", ".join(close)}?' if close else ''
       raise AttributeError(

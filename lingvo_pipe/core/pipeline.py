@@ -136,12 +136,12 @@ class _StageOps:
       return self._forward_on_device(theta, _chained(x, after), m, step)
 
   def _backward(self, theta: Any, x: Any, dys: list[tf.Tensor],
-                after: list[tf.Tensor], m: tf.Tensor, step: tf.Tensor
-               ) -> tuple[list[tf.Tensor], Any, list[tf.Tensor]]:
+                after: list[tf.Tensor], m: tf.Tensor, step: tf.Tensor,
+                acc: Any) -> tuple[list[tf.Tensor], Any, list[tf.Tensor]]:
     # A called function's ops do not inherit the caller's device scope: left
     # unpinned they ran on the client, serialising remote stages.
     with tf.device(self.stage.device):
-      return self._backward_on_device(theta, x, dys, after, m, step)
+      return self._backward_on_device(theta, x, dys, after, m, step, acc)
 
   def _forward_on_device(self, theta: Any, x: Any, m: tf.Tensor,
                          step: tf.Tensor
@@ -155,8 +155,12 @@ class _StageOps:
     return y, collector.stats, times
 
   def _backward_on_device(self, theta: Any, x: Any, dys: list[tf.Tensor],
-                          after: list[tf.Tensor], m: tf.Tensor, step: tf.Tensor
+                          after: list[tf.Tensor], m: tf.Tensor,
+                          step: tf.Tensor, acc: Any
                          ) -> tuple[list[tf.Tensor], Any, list[tf.Tensor]]:
+    """dx, and `acc` + this micro-batch's theta gradient: accumulating in
+    the traced body keeps the outer graph from growing by one add per
+    variable and micro-batch (2,000 ops at M=64 for 32 variables)."""
     # The recompute waits for the incoming gradient (else Grappler merges it
     # with the forward) and for this device's previous backward (order).
     x = _chained(x, list(dys) + list(after))
@@ -175,7 +179,7 @@ class _StageOps:
           unconnected_gradients=tf.UnconnectedGradients.ZERO)
     if self.b.timed:
       times.append(_stamp(tf.nest.flatten((dx, dtheta))))
-    return dx, dtheta, times
+    return dx, tf.nest.map_structure(tf.add, acc, dtheta), times
 
 
 class _Builder:
@@ -260,8 +264,11 @@ class _Builder:
     return self.outputs[-1], stage_stats
 
   def _stage_backward(self, k: int, m: int, dy: Any, theta: Any,
-                      after: list[tf.Tensor]) -> tuple[Any, Any]:
-    """Recompute (unless kept) and backward of stage k, micro-batch m."""
+                      after: list[tf.Tensor], acc: Any) -> tuple[Any, Any]:
+    """Recompute (unless kept) and backward of stage k, micro-batch m.
+
+    Returns dx and `acc` (None: nothing yet) + the theta gradient.
+    """
     targets, grads = [], []
     for y, g in zip(tf.nest.flatten(self.outputs[k][m]), tf.nest.flatten(dy)):
       if _differentiable(y):
@@ -279,10 +286,16 @@ class _Builder:
       if self.timed:
         times.append(_stamp(tf.nest.flatten((dx_float, dtheta))))
       self._record(k, m, 'B', times)
+      if acc is not None:
+        dtheta = tf.nest.map_structure(tf.add, acc, dtheta)
     else:
-      # (`after` is never empty, so the body is traced once, not twice.)
+      # (`after` and `acc` are never empty/None, so the body is traced
+      # once, not twice.)
+      if acc is None:
+        acc = tf.nest.map_structure(tf.zeros_like, theta)
       dx_float, dtheta, times = self.ops[k].backward(
-          theta, x, grads, after or [tf.zeros([])], _index(m), self.step)
+          theta, x, grads, after or [tf.zeros([])], _index(m), self.step,
+          acc)
       _unordered(times)
       self._record(k, m, 'RB', times)
     it = iter(dx_float)
@@ -303,12 +316,8 @@ class _Builder:
         with tf.device(self.stages[k].device):
           dy = tf.nest.map_structure(
               lambda g: g if g is None else tf.identity(g), grads_in[m])
-          dx, dtheta = self._stage_backward(k, m, dy, thetas[k], after)
-          if theta_grads[k] is None:
-            theta_grads[k] = dtheta
-          else:
-            theta_grads[k] = tf.nest.map_structure(tf.add, theta_grads[k],
-                                                   dtheta)
+          dx, theta_grads[k] = self._stage_backward(k, m, dy, thetas[k],
+                                                    after, theta_grads[k])
         grads_out[m] = dx
         after = _float(tf.nest.flatten((dx, theta_grads[k])))
       grads_in = grads_out
