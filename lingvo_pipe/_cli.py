@@ -19,7 +19,9 @@ import os
 import re
 import sys
 import tempfile
-from typing import Iterator
+from typing import Callable, Iterator
+
+from absl import flags
 
 _BANNER = re.compile(
     r'^([IW]\d{4} |WARNING: All log messages before absl::InitializeLog|'
@@ -76,6 +78,22 @@ USER_ERRORS: tuple[type[Exception], ...] = (
     base_input_generator.DataUnavailableError,
     base_input_generator.InputError, base_layer.LayerError,
     devices.DeviceError, gpipe.PipelineError)
+
+
+def flags_parser(program: str) -> Callable[[list[str]], list[str]]:
+  """An absl `app.run` flags parser: a malformed flag value or an unknown
+  flag is one stderr line and exit status 2, like every other bad input."""
+
+  def _parse(argv: list[str]) -> list[str]:
+    try:
+      return flags.FLAGS(argv)
+    except flags.Error as e:
+      line = ' '.join(str(e).split())
+      sys.stderr.write(f'{program}: error: {line}; see --helpfull for every '
+                       'flag and its values.\n')
+      sys.exit(2)
+
+  return _parse
 
 
 @contextlib.contextmanager

@@ -249,7 +249,7 @@ def _main(argv: list[str]) -> None:
 
 def run() -> None:
   """Console-script entry point (`lingvo_pipe_evaler`)."""
-  app.run(_main)
+  app.run(_main, flags_parser=_cli.flags_parser('evaler'))
 
 
 if __name__ == '__main__':

@@ -370,7 +370,7 @@ def _stop_after_step_on_signals(trainer: Trainer) -> None:
 
 def run() -> None:
   """Console-script entry point (`lingvo_pipe_trainer`)."""
-  app.run(_main)
+  app.run(_main, flags_parser=_cli.flags_parser('trainer'))
 
 
 if __name__ == '__main__':
