@@ -1,6 +1,6 @@
 """The benchmark suite: GPipe's tables, measured side by side on this machine.
 
-    python tools/benchmark.py all                 # the full report (~20 min)
+    python tools/benchmark.py all                 # the full report (~5 min, 2 cores)
     python tools/benchmark.py throughput          # one section
     python tools/benchmark.py all --tiny          # smoke test, seconds
 
