@@ -134,6 +134,10 @@ def _measure_m(spec: common.NetSpec, devices: list[str], m: int, reps: int,
     out['overlap'] = {'measured': timeline.overlap_fraction(measured),
                       'predicted': timeline.overlap_fraction(
                           predicted.events)}
+    out['busy_s'] = [sum(r.end - r.start for r in measured if r.stage == k)
+                     for k in range(max(NUM_STAGES))]
+    out['span_s'] = (max(r.end for r in measured) -
+                     min(r.start for r in measured))
   common.release()
   return out
 
@@ -250,6 +254,14 @@ def _limits(s: dict[str, Any]) -> str:
                  f'for {100 * ov["measured"]:.0f}% of their busy time '
                  f'(simulated: {100 * ov["predicted"]:.0f}%): the stages '
                  'mostly took turns instead of pipelining')
+  if 'busy_s' in at:
+    busy = at['busy_s']
+    notes.append(
+        f'at M={at["M"]} the stages were busy '
+        + ' and '.join(f'{b * 1e3:.0f} ms' for b in busy)
+        + f' of a {at["span_s"] * 1e3:.0f} ms step (imbalance max/mean '
+        f'{max(busy) / (sum(busy) / len(busy)):.2f}; the slower stage sets '
+        'the pace)')
   notes.append(f'at M=1, where no overlap is possible, K=2 costs '
                f'{(m1["step_s"]["K=2"] - m1["step_s"]["K=1"]) * 1e3:+.0f} ms '
                'over K=1 (transfers, dispatch to two processes)')
