@@ -185,6 +185,13 @@ def _limits(rows: list[dict[str, Any]]) -> str:
   if worst['K'] == 1:
     notes.append('op times at this M are not `work / M + overhead` between '
                  'the two calibration points')
+  elif worst['error'] > 0:
+    base = {(r['K'], r['M']): r['measured_s'] for r in rows}
+    notes.append(
+        'the prediction is above the measurement: every K=2 row is scaled '
+        'from the one K=2, M=1 calibration step (here '
+        f'{base[2, 1]:.3g} s, {base[2, 1] / base[1, 1]:.2f}× the K=1, M=1 '
+        'step), so a slow calibration step overstates them all')
   else:
     notes.append(
         f'the stages were busy at the same time for '
