@@ -7,7 +7,9 @@ the training pairs fit in 64 pieces (the rest are dropped in training).
 TransformerSmall is the CPU default: a pre-LN 3+3-layer d=256 Transformer
 cut into 2 stages (logical CPU devices), 4 micro-batches per step, batches
 in 3 length buckets. TransformerSmallBf16 is the same in bfloat16 compute,
-faster on CPUs with bfloat16 units (AMX, AVX512-BF16).
+faster on CPUs with bfloat16 units (AMX, AVX512-BF16). A 60-minute run of
+TransformerSmallBf16 on 2 cores (`--max_train_minutes=60`: 1,971 steps,
+~7.5 epochs) scored test BLEU 17.3 and dev BLEU 19.4 (greedy, sacrebleu).
 TransformerDeep is GPipe's deep recipe for accelerators: 24+24 layers,
 8 stages × 32 micro-batches, scaled-down feed-forward init and clipped logits.
 
