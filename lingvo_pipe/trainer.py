@@ -13,9 +13,8 @@ slots and the global step, and the input order is a pure function of the
 step, so it ends with the weights of an uninterrupted run. SIGTERM or
 Ctrl-C (and --max_train_minutes running out) stop it after the current step
 with a checkpoint of that step; a second signal stops it at once. A step
-whose loss
-or gradient is not finite applies nothing, and the trainer stops (exit 1)
-without saving, so the last checkpoint stays the last good one.
+whose loss or gradient is not finite applies nothing, and the trainer stops
+(exit 1) without saving, so the last checkpoint stays the last good one.
 
 What lands in the logdir: params.txt; checkpoint, ckpt-<step>.{index,data-*}
 (the last task.train.max_checkpoints_to_keep); train/events.* (TensorBoard).
