@@ -113,7 +113,9 @@ class Trainer:
     return int(self.step.numpy())
 
   def save(self) -> str:
-    assert self._manager is not None
+    if self._manager is None:
+      raise RuntimeError('Trainer.save() before restore(): call restore() '
+                         'first; it opens the checkpoint manager.')
     return self._manager.save(checkpoint_number=int(self.step.numpy()))
 
   @property

@@ -133,7 +133,10 @@ class InMemoryInputGenerator(BaseInputGenerator):
     """`LoadArrays()`, loaded once and checked."""
     if self._arrays is None:
       self.CheckAvailable()
-    assert self._arrays is not None
+    if self._arrays is None:
+      raise InputError(
+          f'{self.params.name}: {type(self).__name__}.CheckAvailable() loaded '
+          'no arrays; an override must call super().CheckAvailable().')
     return self._arrays
 
   @property
