@@ -183,6 +183,11 @@ def interleaved(fns: dict[str, Callable[[], Any]],
   return times
 
 
+def span(records: Sequence[Any]) -> float:
+  """Seconds from a recorded step's first op start to its last op end."""
+  return max(r.end for r in records) - min(r.start for r in records)
+
+
 def median(xs: Sequence[float]) -> float:
   return float(statistics.median(xs))
 

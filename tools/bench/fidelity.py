@@ -58,10 +58,6 @@ def _measure(spec: common.NetSpec, devices: list[str], k: int, m: int,
   return runs, walls
 
 
-def _span(records: list[timeline.Record]) -> float:
-  return max(r.end for r in records) - min(r.start for r in records)
-
-
 def _op_times(runs: list[list[timeline.Record]]) -> list[dict[str, float]]:
   """Per stage, the median duration of each op kind over `runs`."""
   per_run = [timeline.calibrated_costs(r) for r in runs]
@@ -109,27 +105,28 @@ def run(args: argparse.Namespace, devices: list[str]) -> dict[str, Any]:
     for m in ms:
       common.log(f'fidelity: K={k}, M={m}')
       runs, walls = _measure(spec, devices, k, m, reps)
-      runs.sort(key=_span)
-      measured[k, m] = (runs, runs[len(runs) // 2], common.median(walls))
+      runs.sort(key=common.span)
+      median_run = runs[len(runs) // 2]
+      measured[k, m] = (runs, median_run, common.span(median_run),
+                        common.median(walls))
   # Calibration: work and per-op overhead on K=1; stage profile on K=2, M=1
   # (every op, whatever its stage's size, pays the per-op overhead).
-  k1 = fit_overhead(_op_times(measured[1, 1][0])[0],
-                    _span(measured[1, 1][1]), _span(measured[1, m_max][1]),
-                    m_max)
+  k1 = fit_overhead(_op_times(measured[1, 1][0])[0], measured[1, 1][2],
+                    measured[1, m_max][2], m_max)
   per_layer = {kind: (w / spec.num_layers, o) for kind, (w, o) in k1.items()}
   k2 = [{kind: (max(0.0, times[kind] - o), min(times[kind], o))
          for kind, (_, o) in k1.items()}
         for times in _op_times(measured[2, 1][0])]
-  transfer = fit_transfer(k2, _span(measured[2, 1][1]))
+  transfer = fit_transfer(k2, measured[2, 1][2])
   models = {1: ([k1], 0.0), 2: (k2, transfer)}
   calibration = {(1, 1), (1, m_max), (2, 1)}
   rows = []
-  for (k, m), (_, median_run, wall) in measured.items():
+  for (k, m), (_, median_run, span, wall) in measured.items():
     stage_models, t = models[k]
     predicted = predict(stage_models, m, t)
-    rows.append({'K': k, 'M': m, 'measured_s': _span(median_run),
+    rows.append({'K': k, 'M': m, 'measured_s': span,
                  'wall_s': wall, 'predicted_s': predicted.step_time,
-                 'error': predicted.step_time / _span(median_run) - 1.0,
+                 'error': predicted.step_time / span - 1.0,
                  'calibration': (k, m) in calibration,
                  'overlap': timeline.overlap_fraction(median_run),
                  'overlap_predicted': timeline.overlap_fraction(

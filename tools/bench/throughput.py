@@ -138,8 +138,7 @@ def _measure_m(spec: common.NetSpec, devices: list[str], m: int, reps: int,
                           predicted.events)}
     out['busy_s'] = [sum(r.end - r.start for r in measured if r.stage == k)
                      for k in range(max(NUM_STAGES))]
-    out['span_s'] = (max(r.end for r in measured) -
-                     min(r.start for r in measured))
+    out['span_s'] = common.span(measured)
   common.release()
   return out
 
