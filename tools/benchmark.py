@@ -26,6 +26,11 @@ import time
 from typing import Any
 
 os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
+# The memory section reads TF's allocator statistics, which TF's default CPU
+# allocator keeps only when oneDNN is on (Intel CPUs with AVX-512/AMX, where
+# TF turns it on itself). The BFC allocator keeps them on every CPU: set it
+# before TensorFlow starts, in this process and (inherited) in its children.
+os.environ.setdefault('TF_CPU_ALLOCATOR_USE_BFC', 'true')
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench import sections  # pylint: disable=g-import-not-at-top

@@ -241,7 +241,8 @@ class BaseLayer(tf.Module):
     p.Define('name', '', 'Name of this layer; its path in the model is the '
              'parent\'s path + "." + name. Defaults to the class name.')
     p.Define('dtype', tf.float32, 'Dtype of the variables.')
-    p.Define('fprop_dtype', None, 'Dtype of the computation; None = dtype.')
+    p.Define('fprop_dtype', None, 'Dtype of the computation; None = the '
+             'parent layer\'s fprop_dtype, else dtype.')
     p.Define('random_seed', None, 'Seed of the initial values; None inherits '
              f'the parent\'s ({DEFAULT_RANDOM_SEED} at the root).')
     p.Define('params_init', WeightInit.Xavier(1.0), 'Default initialiser of '
@@ -325,9 +326,13 @@ class BaseLayer(tf.Module):
       _BUILD.parent, _BUILD.child_name = saved
 
   def _ChildParams(self, name: str, params: InstantiableParams) -> Params:
+    """A child's params: named, and computing in this layer's fprop_dtype
+    unless it sets its own (as Lingvo's CopyBaseParams does)."""
     p = params.Copy()
     if not p.name:
       p.name = name
+    if p.fprop_dtype is None and self._params.fprop_dtype is not None:
+      p.fprop_dtype = self._params.fprop_dtype
     return p
 
   def CreateChild(self, name: str, params: InstantiableParams) -> 'BaseLayer':

@@ -29,7 +29,6 @@ own statistics, while its moving averages see the whole batch.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import numpy as np
@@ -284,100 +283,3 @@ class PipeliningLayer(base_layer.BaseLayer):
         p.num_micro_batches, flops_per_second)
     return simulator.simulate(costs, p.num_micro_batches, p.recompute,
                               schedule)
-
-
-@dataclasses.dataclass(frozen=True)
-class TransparencyReport:
-  """Largest relative differences, pipelined vs unpipelined."""
-  loss: float
-  outputs: float
-  gradients: float
-  worst_variable: str
-
-  def __str__(self) -> str:
-    return (f'loss {self.loss:.2e}, outputs {self.outputs:.2e}, gradients '
-            f'{self.gradients:.2e} (worst: {self.worst_variable})')
-
-
-def _rel_diff(got: Any, want: Any) -> tuple[float, int]:
-  """Max leaf-wise |got−want| / scale, scale floored at 1e-3 × the largest."""
-  def _dense(x: Any) -> np.ndarray:  # Embedding gradients are IndexedSlices.
-    if x is None:  # No gradient (e.g. BatchNorm's moving averages).
-      return np.zeros([0])
-    return np.asarray(tf.convert_to_tensor(x), np.float64)
-
-  pairs = [(_dense(a), _dense(b))
-           for a, b in zip(tf.nest.flatten(got), tf.nest.flatten(want))]
-  top = max((float(np.max(np.abs(b))) for _, b in pairs if b.size),
-            default=0.0)
-  worst, where = 0.0, -1
-  for i, (a, b) in enumerate(pairs):
-    if not b.size:
-      continue
-    scale = max(float(np.max(np.abs(b))), 1e-3 * top, 1e-12)
-    diff = float(np.max(np.abs(a - b))) / scale
-    if diff > worst:
-      worst, where = diff, i
-  return worst, where
-
-
-def check_transparency(params: Any, inputs: tuple[Any, ...],
-                       loss_fn: Any = None, step: int = 0,
-                       micro_batched_reference: bool = False
-                      ) -> TransparencyReport:
-  """Runs a pipeline and its unpipelined twin; reports how far they differ.
-
-  The twin is the same layers (same weights) run one after another under a
-  plain `tf.GradientTape` on the whole batch — or, with
-  `micro_batched_reference`, micro-batch by micro-batch with summed
-  gradients, which is what BatchNorm models should be compared with.
-
-  Args:
-    params: PipeliningLayer Params.
-    inputs: The first layer's positional inputs for one mini-batch.
-    loss_fn: outputs → scalar loss; default Σ squares of the float outputs / N.
-    step: Training step (seeds dropout).
-    micro_batched_reference: See above.
-
-  Returns:
-    A TransparencyReport; ≲1e-5 means float32 rounding only.
-  """
-  net = params.Instantiate()
-  n = microbatch.batch_size(inputs, net.params.batch_dim, net.path)
-  if loss_fn is None:
-    loss_fn = lambda out: tf.add_n([  # pylint: disable=g-long-lambda
-        tf.reduce_sum(tf.square(x)) for x in tf.nest.flatten(out)
-        if x.dtype.is_floating]) / tf.cast(n, tf.float32)
-
-  @tf.function
-  def _pipelined():
-    with tf.GradientTape() as tape:
-      with fprop_context.scope(training=True, step=step):
-        loss = loss_fn(net.FProp(net.theta, *inputs))
-    return loss, tape.gradient(loss, net.theta)
-
-  m = (microbatch.num_micro_batches(n, net.params.num_micro_batches,
-                                    net.params.micro_batch_size, net.path)
-       if micro_batched_reference else 1)
-  micro = microbatch.split(tuple(inputs), m, net.params.batch_dim)
-  outs = []
-  with tf.GradientTape() as tape:
-    for i, x in enumerate(micro):
-      with fprop_context.scope(training=True, step=step, micro_batch_index=i,
-                               num_micro_batches=m,
-                               batch_dim=net.params.batch_dim):
-        for layer, theta in zip(net.children.layers, net.theta.layers):
-          x = _as_tuple(layer.FProp(theta, *x))
-      outs.append(x)
-    out = microbatch.concat(outs, net.params.batch_dim)
-    want_loss = loss_fn(out[0] if len(out) == 1 else out)
-  want_grads = tape.gradient(want_loss, net.theta)
-  got_loss, got_grads = _pipelined()
-  with fprop_context.scope(training=True, step=step):
-    got_out = net.FProp(net.theta, *inputs)
-  names = [k for k, _ in NestedMap(net.theta).FlattenItems()]
-  grads, where = _rel_diff(got_grads, want_grads)
-  return TransparencyReport(
-      loss=_rel_diff(got_loss, want_loss)[0],
-      outputs=_rel_diff(_as_tuple(got_out), out)[0], gradients=grads,
-      worst_variable=names[where] if where >= 0 else '')

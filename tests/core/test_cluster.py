@@ -28,6 +28,7 @@ def test_client_stage_plus_worker_stage_trains_like_one_device():
       cluster.pin_client([0])
       import tensorflow as tf
       from lingvo_pipe.core import gpipe
+      from lingvo_pipe.core import transparency
       from lingvo_pipe.layers import linear, normalization
       layers = []
       for i in range(4):
@@ -42,12 +43,12 @@ def test_client_stage_plus_worker_stage_trains_like_one_device():
             num_micro_batches=4,
             devices=[c.client_device] + c.devices)
         x = tf.random.stateless_normal([16, 8], seed=[1, 2])
-        report = gpipe.check_transparency(p, (x,),
-                                          micro_batched_reference=True)
+        report = transparency.check_transparency(
+            p, (x,), micro_batched_reference=True)
         net_devices = sorted({v.device for v in
                               p.Instantiate().trainable_variables})
         print('devices', net_devices)
-        print('report', report.loss, report.gradients)
+        print('report', report.ok(), report)
       """)
   assert proc.returncode == 0, proc.stderr[-3000:]
   pid = int(re.search(r'worker pid (\d+)', proc.stdout).group(1))
@@ -55,9 +56,7 @@ def test_client_stage_plus_worker_stage_trains_like_one_device():
     os.kill(pid, 0)  # Stopped by PID on exit.
   assert '/job:worker/replica:0/task:0' in proc.stdout  # Stage 1's weights.
   assert '/job:localhost/replica:0/task:0' in proc.stdout  # Stage 0's.
-  loss, grads = map(float, re.search(r'report (\S+) (\S+)',
-                                     proc.stdout).groups())
-  assert loss < 1e-5 and grads < 1e-5, proc.stdout
+  assert 'report True' in proc.stdout, proc.stdout
 
 
 def test_pin_client_after_the_runtime_started_says_when_to_call_it():

@@ -13,7 +13,8 @@ formula:
 
 Measured: the TF allocator's peak (`get_memory_info('CPU:0')`, reset before
 the step; parameters, gradients, input and activations, minus what earlier
-trials left behind). Those statistics miss allocations under 256 KiB; at
+trials left behind). benchmark.py sets TF's BFC allocator on every CPU: the
+default CPU allocator keeps no statistics when oneDNN is off (AMD). Those statistics miss allocations under 256 KiB; at
 these sizes that is only the weights and their gradients, whose bytes are
 added from the variables. Logical CPU devices share one allocator, so for K>1
 the measurement is the whole process, and the stages peak at different times
@@ -37,6 +38,7 @@ from typing import Any, Callable
 if __name__ == '__main__':  # The cross-check child: python memory.py probe …
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(
       __file__))))
+  os.environ.setdefault('TF_CPU_ALLOCATOR_USE_BFC', 'true')  # benchmark.py
 
 import tensorflow as tf  # pylint: disable=g-import-not-at-top
 

@@ -33,6 +33,11 @@ def machine() -> dict[str, Any]:
     pass
   return {'cpu': model, 'cores': os.cpu_count(), 'tensorflow': tf.__version__,
           'python': platform.python_version(),
+          # TF turns oneDNN on by itself on some Intel CPUs: 'default' then.
+          'onednn': os.environ.get('TF_ENABLE_ONEDNN_OPTS', 'default'),
+          'cpu_allocator': ('BFC' if os.environ.get(
+              'TF_CPU_ALLOCATOR_USE_BFC', '').lower() in ('1', 'true')
+                            else 'default'),
           'date': datetime.datetime.now().strftime('%Y-%m-%d %H:%M')}
 
 
@@ -106,6 +111,9 @@ def render(results: dict[str, Any],
       '',
       f'- Machine: {m.get("cpu")}, {m.get("cores")} cores; TensorFlow '
       f'{m.get("tensorflow")}, Python {m.get("python")}; {m.get("date")}',
+      f'- TF_ENABLE_ONEDNN_OPTS: {m.get("onednn", "?")}; CPU allocator: '
+      f'{m.get("cpu_allocator", "?")} (set by benchmark.py so that the '
+      'memory section reads allocator statistics on every CPU)',
       f'- Command: `{run.get("command", "?")}`',
       f'- Total run time: {run.get("seconds", 0):.0f} s',
       '',
