@@ -57,7 +57,7 @@ import tensorflow as tf
 
 from lingvo_pipe.core import base_input_generator
 from lingvo_pipe.core import base_layer
-from lingvo_pipe.core import devices
+from lingvo_pipe.pipeline import devices
 from lingvo_pipe.core import gpipe
 from lingvo_pipe.core import learning_rate
 from lingvo_pipe.core import model_registry

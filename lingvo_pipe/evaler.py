@@ -35,7 +35,7 @@ import numpy as np
 import tensorflow as tf
 
 from lingvo_pipe.core import checkpoints
-from lingvo_pipe.core import devices
+from lingvo_pipe.pipeline import devices
 from lingvo_pipe.core import fprop_context
 from lingvo_pipe.core import model_registry
 from lingvo_pipe.core import summaries

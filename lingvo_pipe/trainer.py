@@ -38,7 +38,7 @@ import tensorflow as tf
 from lingvo_pipe.core import base_input_generator
 from lingvo_pipe.core import base_model
 from lingvo_pipe.core import checkpoints
-from lingvo_pipe.core import devices
+from lingvo_pipe.pipeline import devices
 from lingvo_pipe.core import fprop_context
 from lingvo_pipe.core import learning_rate
 from lingvo_pipe.core import model_registry

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from lingvo_pipe.core import devices
+from lingvo_pipe.pipeline import devices
 
 NUM_TEST_DEVICES = 4
 devices.configure_logical_cpus(NUM_TEST_DEVICES)

@@ -18,9 +18,9 @@ from typing import Callable, TypeVar
 from absl import app
 from absl import flags
 
-from lingvo_pipe.core import partitioner
-from lingvo_pipe.core import schedule
-from lingvo_pipe.core import simulator
+from lingvo_pipe.pipeline import partitioner
+from lingvo_pipe.pipeline import schedule
+from lingvo_pipe.pipeline import simulator
 
 _COSTS = flags.DEFINE_list(
     'costs', None, 'Per-layer forward cost of one micro-batch, comma-separated '

@@ -12,7 +12,7 @@ through every signature:
 * `timeline` — if a list, the pipeline appends one
   `(stage, micro_batch, kind, start, end)` record per forward ('F'),
   recompute ('R') and backward ('B'), with `tf.timestamp()` tensors that the
-  caller returns from its step function (see `lingvo_pipe.core.timeline`).
+  caller returns from its step function (see `lingvo_pipe.pipeline.timeline`).
 * `stats` — a collector for sufficient statistics (BatchNorm's count, sum,
   sum of squares). Layers add to it; the pipeline sums it over micro-batches
   and the task folds it into moving averages once per step. A recompute pass

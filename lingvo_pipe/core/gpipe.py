@@ -19,7 +19,7 @@ The algorithm (Huang et al., 2019):
             micro-batch m+1 while stage k+1 runs micro-batch m; keep only
             each stage's input boundary; in backward recompute each stage
             from its boundary, accumulate gradients over micro-batches
-            (see pipeline.py for the graph).
+            (see engine.py for the graph).
     eval:   the whole batch, stage after stage, no recompute.
 
 Training equals unpipelined training for any K and M up to float rounding,
@@ -35,12 +35,12 @@ import numpy as np
 import tensorflow as tf
 
 from lingvo_pipe.core import base_layer
-from lingvo_pipe.core import devices as devices_lib
+from lingvo_pipe.pipeline import devices as devices_lib
 from lingvo_pipe.core import fprop_context
-from lingvo_pipe.core import microbatch
-from lingvo_pipe.core import partitioner
-from lingvo_pipe.core import pipeline
-from lingvo_pipe.core import simulator
+from lingvo_pipe.pipeline import microbatch
+from lingvo_pipe.pipeline import partitioner
+from lingvo_pipe.pipeline import engine
+from lingvo_pipe.pipeline import simulator
 from lingvo_pipe.core.nested_map import NestedMap
 
 
@@ -107,9 +107,9 @@ class PipeliningLayer(base_layer.BaseLayer):
     if not num_layers:
       raise PipelineError(f'{self.path}: p.layers is empty; give the '
                           'sequence of layer Params to pipeline.')
-    if p.recompute not in pipeline.RECOMPUTE_POLICIES:
+    if p.recompute not in engine.RECOMPUTE_POLICIES:
       raise PipelineError(f'{self.path}: recompute={p.recompute!r}; use one '
-                          f'of {pipeline.RECOMPUTE_POLICIES}.')
+                          f'of {engine.RECOMPUTE_POLICIES}.')
     self._metas = (layer_metas(list(p.layers), p.input_shapes, self.path)
                    if p.input_shapes is not None else None)
     self._costs = self._Costs()
@@ -237,11 +237,11 @@ class PipeliningLayer(base_layer.BaseLayer):
           f'{[str(w) for w in want]}; fix {name}.FPropMeta or '
           'p.input_shapes.')
 
-  def _Stages(self, theta: NestedMap) -> list[pipeline.Stage]:
+  def _Stages(self, theta: NestedMap) -> list[engine.Stage]:
     stages = []
     for k in range(self.params.num_stages):
       first, last = self._boundaries[k], self._boundaries[k + 1]
-      stages.append(pipeline.Stage(
+      stages.append(engine.Stage(
           fprop=lambda th, x, k=k: self._StageFProp(k, th, x),
           theta=list(theta.layers[first:last]), device=self._devices[k]))
     return stages
@@ -258,7 +258,7 @@ class PipeliningLayer(base_layer.BaseLayer):
     n = microbatch.batch_size(inputs, p.batch_dim, self.path)
     m = microbatch.num_micro_batches(n, p.num_micro_batches,
                                      p.micro_batch_size, self.path)
-    out = pipeline.run(stages, tuple(inputs), m, p.recompute, p.batch_dim)
+    out = engine.run(stages, tuple(inputs), m, p.recompute, p.batch_dim)
     return out[0] if len(out) == 1 else out
 
   @classmethod

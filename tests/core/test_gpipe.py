@@ -20,7 +20,7 @@ import tensorflow as tf
 from lingvo_pipe.core import base_layer
 from lingvo_pipe.core import fprop_context
 from lingvo_pipe.core import gpipe
-from lingvo_pipe.core import transparency
+from lingvo_pipe.pipeline import transparency
 from lingvo_pipe.core.nested_map import NestedMap
 from lingvo_pipe.layers import conv
 from lingvo_pipe.layers import dropout

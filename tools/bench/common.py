@@ -18,8 +18,8 @@ from typing import Any, Callable, Iterator, Sequence
 
 import tensorflow as tf
 
-from lingvo_pipe.core import cluster
-from lingvo_pipe.core import devices as devices_lib
+from lingvo_pipe.pipeline import cluster
+from lingvo_pipe.pipeline import devices as devices_lib
 from lingvo_pipe.core import fprop_context
 from lingvo_pipe.core import gpipe
 from lingvo_pipe.layers import linear

@@ -29,8 +29,8 @@ from typing import Any
 
 from bench import common
 from bench import report
-from lingvo_pipe.core import simulator
-from lingvo_pipe.core import timeline
+from lingvo_pipe.pipeline import simulator
+from lingvo_pipe.pipeline import timeline
 
 TARGET_ERROR = 0.15
 

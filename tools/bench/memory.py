@@ -45,7 +45,7 @@ import tensorflow as tf  # pylint: disable=g-import-not-at-top
 from bench import common  # pylint: disable=g-import-not-at-top
 from bench import report  # pylint: disable=g-import-not-at-top
 from bench import reference  # pylint: disable=g-import-not-at-top
-from lingvo_pipe.core import devices as devices_lib  # pylint: disable=C0413
+from lingvo_pipe.pipeline import devices as devices_lib  # pylint: disable=C0413
 
 MIB = 2**20
 # TF's CPU allocator statistics do not see allocations below 256 KiB.

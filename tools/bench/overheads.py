@@ -17,7 +17,7 @@ from typing import Any
 
 from bench import common
 from bench import report
-from lingvo_pipe.core import timeline
+from lingvo_pipe.pipeline import timeline
 
 TRACE_MS = (8, 64)
 

@@ -27,8 +27,8 @@ from bench import common
 from bench import reference
 from bench import report
 from lingvo_pipe.core import fprop_context
-from lingvo_pipe.core import simulator
-from lingvo_pipe.core import timeline
+from lingvo_pipe.pipeline import simulator
+from lingvo_pipe.pipeline import timeline
 
 NUM_STAGES = (1, 2)
 TARGET_M = 8  # The efficiency target is set at K=2, M=8.

@@ -17,8 +17,8 @@ import time
 from typing import Any
 
 from bench import common
-from lingvo_pipe.core import simulator
-from lingvo_pipe.core import timeline
+from lingvo_pipe.pipeline import simulator
+from lingvo_pipe.pipeline import timeline
 
 NUM_STAGES, NUM_MICRO_BATCHES = 2, 4
 # Stage 0's end stamp and stage 1's start stamp of micro-batch m both wait

@@ -17,7 +17,7 @@ import tensorflow as tf
 
 from lingvo_pipe.core import base_layer
 from lingvo_pipe.core import gpipe
-from lingvo_pipe.core import transparency
+from lingvo_pipe.pipeline import transparency
 from lingvo_pipe.layers import sequential
 from tasks.image import amoebanet
 from tasks.image import amoebanet_ops

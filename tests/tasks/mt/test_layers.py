@@ -13,7 +13,7 @@ import tensorflow as tf
 from lingvo_pipe.core import base_layer
 from lingvo_pipe.core import fprop_context
 from lingvo_pipe.core import gpipe
-from lingvo_pipe.core import transparency
+from lingvo_pipe.pipeline import transparency
 from lingvo_pipe.layers import softmax
 from tasks.mt import decoder
 from tasks.mt import layers as mt_layers

@@ -35,7 +35,7 @@ from typing import Any, Callable, Iterable, NamedTuple, Sequence
 import tensorflow as tf
 
 from lingvo_pipe.core import fprop_context
-from lingvo_pipe.core import simulator
+from lingvo_pipe.pipeline import simulator
 
 __all__ = ['KINDS', 'Record', 'StepRecorder', 'TimelineError',
            'calibrated_costs', 'normalized', 'overlap_fraction', 'plot_gantt',

@@ -11,8 +11,8 @@ import sys
 import numpy as np
 import pytest
 
-from lingvo_pipe.core import partitioner
-from lingvo_pipe.core.partitioner import PartitionError
+from lingvo_pipe.pipeline import partitioner
+from lingvo_pipe.pipeline.partitioner import PartitionError
 
 
 def _stage_costs(costs, bounds):

@@ -32,9 +32,9 @@ import math
 import numbers
 from typing import NamedTuple, Sequence
 
-from lingvo_pipe.core import partitioner
-from lingvo_pipe.core import schedule as schedule_lib
-from lingvo_pipe.core.partitioner import format_quantity
+from lingvo_pipe.pipeline import partitioner
+from lingvo_pipe.pipeline import schedule as schedule_lib
+from lingvo_pipe.pipeline.partitioner import format_quantity
 
 __all__ = ['Event', 'SimResult', 'SimulationError', 'StageCost', 'simulate',
            'stage_costs_from_layers']

@@ -122,7 +122,7 @@ class LocalCluster:
       self._logs.append(log)
       env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL='2',
                  CUDA_VISIBLE_DEVICES='')
-      cmd = [sys.executable, '-m', 'lingvo_pipe.core.cluster', spec, str(k),
+      cmd = [sys.executable, '-m', 'lingvo_pipe.pipeline.cluster', spec, str(k),
              str(self._threads), ','.join(map(str, cores))]
       with open(log, 'wb') as f:
         self._procs.append(subprocess.Popen(cmd, stdout=f,

@@ -37,7 +37,7 @@ def configure_logical_cpus(num_devices: int) -> None:
       return
     raise DeviceError(
         f'Asked for {num_devices} logical CPU devices but TensorFlow already '
-        f'started with {have}. Call lingvo_pipe.core.devices.'
+        f'started with {have}. Call lingvo_pipe.pipeline.devices.'
         f'configure_logical_cpus({num_devices}) before any TensorFlow op runs '
         '(the trainer does it from --num_logical_cpu_devices).') from e
 

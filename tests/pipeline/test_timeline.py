@@ -6,8 +6,8 @@ import pytest
 import tensorflow as tf
 
 from lingvo_pipe.core import gpipe
-from lingvo_pipe.core import simulator
-from lingvo_pipe.core import timeline
+from lingvo_pipe.pipeline import simulator
+from lingvo_pipe.pipeline import timeline
 from lingvo_pipe.layers import linear
 
 # Two timestamp ops that wait for the same tensor can run in either order.

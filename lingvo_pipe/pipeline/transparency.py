@@ -31,7 +31,7 @@ import numpy as np
 import tensorflow as tf
 
 from lingvo_pipe.core import fprop_context
-from lingvo_pipe.core import microbatch
+from lingvo_pipe.pipeline import microbatch
 from lingvo_pipe.core.nested_map import NestedMap
 
 __all__ = ['Discrepancy', 'SLACK', 'TransparencyReport', 'check_transparency',

@@ -1,4 +1,4 @@
-"""Tests of lingvo_pipe.core.devices: which device each pipeline stage gets.
+"""Tests of lingvo_pipe.pipeline.devices: which device each pipeline stage gets.
 
 conftest.py has already split the CPU into 4 logical devices, so these tests
 also check that the split a pipeline test relies on is really in place.
@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import tensorflow as tf
 
-from lingvo_pipe.core import devices
+from lingvo_pipe.pipeline import devices
 
 _NUM_TEST_DEVICES = 4  # What tests/conftest.py configures.
 

@@ -4,8 +4,8 @@ import random
 
 import pytest
 
-from lingvo_pipe.core import schedule
-from lingvo_pipe.core.schedule import Op, ScheduleError
+from lingvo_pipe.pipeline import schedule
+from lingvo_pipe.pipeline.schedule import Op, ScheduleError
 
 
 def _picture(sched):

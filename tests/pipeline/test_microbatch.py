@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from lingvo_pipe.core import microbatch
-from lingvo_pipe.core.microbatch import MicroBatchError
+from lingvo_pipe.pipeline import microbatch
+from lingvo_pipe.pipeline.microbatch import MicroBatchError
 from lingvo_pipe.core.nested_map import NestedMap
 
 

@@ -4,8 +4,8 @@ import random
 
 import pytest
 
-from lingvo_pipe.core import simulator
-from lingvo_pipe.core.simulator import SimulationError, StageCost
+from lingvo_pipe.pipeline import simulator
+from lingvo_pipe.pipeline.simulator import SimulationError, StageCost
 
 
 @pytest.mark.parametrize('recompute', ['always', 'never'])

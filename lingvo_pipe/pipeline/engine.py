@@ -54,7 +54,7 @@ from typing import Any, Callable, Sequence
 import tensorflow as tf
 
 from lingvo_pipe.core import fprop_context
-from lingvo_pipe.core import microbatch
+from lingvo_pipe.pipeline import microbatch
 from lingvo_pipe.core.fprop_context import StatsCollector
 
 StageFn = Callable[[Any, tuple[Any, ...]], tuple[Any, ...]]

@@ -1,4 +1,4 @@
-"""Tests of lingvo_pipe.core.cluster: stages on separate TF processes.
+"""Tests of lingvo_pipe.pipeline.cluster: stages on separate TF processes.
 
 Each case runs in a fresh Python process, because pinning the client and
 connecting it to a cluster are one-time, process-wide TensorFlow settings
@@ -13,7 +13,7 @@ import textwrap
 
 import pytest
 
-from lingvo_pipe.core import cluster
+from lingvo_pipe.pipeline import cluster
 
 
 def _python(code: str) -> subprocess.CompletedProcess:
@@ -24,11 +24,11 @@ def _python(code: str) -> subprocess.CompletedProcess:
 
 def test_client_stage_plus_worker_stage_trains_like_one_device():
   proc = _python("""
-      from lingvo_pipe.core import cluster
+      from lingvo_pipe.pipeline import cluster
       cluster.pin_client([0])
       import tensorflow as tf
       from lingvo_pipe.core import gpipe
-      from lingvo_pipe.core import transparency
+      from lingvo_pipe.pipeline import transparency
       from lingvo_pipe.layers import linear, normalization
       layers = []
       for i in range(4):
@@ -63,7 +63,7 @@ def test_pin_client_after_the_runtime_started_says_when_to_call_it():
   proc = _python("""
       import tensorflow as tf
       tf.constant(1.0) + 1.0  # Starts the runtime.
-      from lingvo_pipe.core import cluster
+      from lingvo_pipe.pipeline import cluster
       cluster.pin_client([0])
       """)
   assert proc.returncode != 0
