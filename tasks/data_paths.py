@@ -3,7 +3,7 @@
 The source data comes from Debian packages, because on the machines we train
 on PyPI and Debian's mirrors are reachable and dataset hosts are not. A
 package is found either extracted under the cache (`<root>/debian/`, done
-without root by `python -m tasks.prepare_data`) or installed system-wide with
+without root by `python -m lingvo_pipe.tasks.prepare_data`) or installed system-wide with
 apt (`/usr/share/...`). Everything derived from it (TFDS records, the
 SentencePiece model) goes under the same cache root:
 
@@ -144,7 +144,7 @@ def _missing_message(dataset: str, missing: list[DebianSource]) -> str:
       for root in _roots())
   return (f'Source data of dataset {dataset!r} not found: Debian package(s) '
           f'{packages} missing. Looked in: {places}. Fix: run `python -m '
-          f'tasks.prepare_data --datasets={dataset}` (or `bash '
+          f'lingvo_pipe.tasks.prepare_data --datasets={dataset}` (or `bash '
           'tools/setup.sh`, which runs it) to fetch and extract them into '
           f'{debian_root()} without root, or `sudo apt-get install '
           f'{packages}`. Set ${ENV_VAR} to use another cache root.')

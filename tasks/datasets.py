@@ -25,14 +25,14 @@ from typing import Any, Iterator
 import numpy as np
 import tensorflow_datasets as tfds
 
-from tasks import data_paths
+from lingvo_pipe.tasks import data_paths
 
 # Short name -> (package that registers the builder, registered name, the
 # constructor argument that points it at its source files).
 _BUILDERS = {
-    'fashion_mnist': ('tasks.image.fashion_mnist', 'lingvo_pipe_fashion_mnist',
+    'fashion_mnist': ('lingvo_pipe.tasks.image.fashion_mnist', 'lingvo_pipe_fashion_mnist',
                       'source_dir'),
-    'bible_en_es': ('tasks.mt.bible_en_es', 'lingvo_pipe_bible_en_es',
+    'bible_en_es': ('lingvo_pipe.tasks.mt.bible_en_es', 'lingvo_pipe_bible_en_es',
                     'sword_dir'),
 }
 NAMES = tuple(_BUILDERS)

@@ -1,6 +1,6 @@
 """Sets up every dataset offline: Debian packages → TFDS → vocabulary.
 
-    python -m tasks.prepare_data [--datasets=fashion_mnist,bible_en_es]
+    python -m lingvo_pipe.tasks.prepare_data [--datasets=fashion_mnist,bible_en_es]
 
 1. Fetches the Debian packages a dataset needs unless already found (in the
    cache or installed system-wide): `apt-get download` into a temporary dir
@@ -29,9 +29,9 @@ from typing import Sequence
 
 import numpy as np
 
-from tasks import data_paths
-from tasks import datasets
-from tasks.mt import vocab
+from lingvo_pipe.tasks import data_paths
+from lingvo_pipe.tasks import datasets
+from lingvo_pipe.tasks.mt import vocab
 
 
 def _log(message: str) -> None:
@@ -108,7 +108,7 @@ def train_vocab(vocab_size: int, retrain: bool) -> None:
 
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(
-      prog='python -m tasks.prepare_data',
+      prog='python -m lingvo_pipe.tasks.prepare_data',
       description=__doc__.split('\n\n')[0])
   parser.add_argument('--datasets', default=','.join(datasets.NAMES),
                       help='Comma-separated datasets to prepare.')

@@ -3,7 +3,7 @@
 #
 #   1. .venv (python3.11 -m venv) with lingvo_pipe installed editable, with
 #      its dev extras (pip install -e '.[dev]');
-#   2. the data sets (python -m tasks.prepare_data: Debian packages fetched
+#   2. the data sets (python -m lingvo_pipe.tasks.prepare_data: Debian packages fetched
 #      with apt-get download + dpkg -x, no root, then TFDS and vocabulary).
 #
 # Safe and quick to run again: pip runs only when pyproject.toml changed since
@@ -56,8 +56,8 @@ main() {
     install_package "$want"
   fi
   if [[ -f tasks/prepare_data.py ]]; then
-    "$venv_python" -m tasks.prepare_data \
-      || die "data preparation failed (python -m tasks.prepare_data)."
+    "$venv_python" -m lingvo_pipe.tasks.prepare_data \
+      || die "data preparation failed (python -m lingvo_pipe.tasks.prepare_data)."
   else
     log "tasks/prepare_data.py not there yet; skipping the data sets."
   fi

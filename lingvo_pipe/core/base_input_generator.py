@@ -155,7 +155,7 @@ class InMemoryInputGenerator(BaseInputGenerator):
       line = str(e).strip().splitlines()[0] if str(e).strip() else repr(e)
       fix = ('' if ('prepare_data' in line or 'setup' in line) else
              ' Fix: run `bash tools/setup.sh` (or `python -m '
-             'tasks.prepare_data`).')
+             'lingvo_pipe.tasks.prepare_data`).')
       raise DataUnavailableError(
           f'{name}: data not available: {line}{fix}') from None
     self._arrays = self._CheckArrays(arrays)

@@ -1,7 +1,8 @@
 """The model registry: registered model names → composed model Params.
 
-A model is a `SingleTaskModelParams` subclass in a module under the top-level
-`params` package, registered with a decorator:
+A model is a `SingleTaskModelParams` subclass in a module under the
+`lingvo_pipe.params` package (the repository's top-level params/ folder),
+registered with a decorator:
 
     # params/image/fashion_mnist.py
     @model_registry.RegisterSingleTaskModel
@@ -10,7 +11,7 @@ A model is a `SingleTaskModelParams` subclass in a module under the top-level
 
 Its name is the module path below `params` plus the class name,
 `image.fashion_mnist.AmoebaNetGPipe`, so the name says where the config
-lives. Looking a name up imports only `params.image.fashion_mnist` (a
+lives. Looking a name up imports only `lingvo_pipe.params.image.fashion_mnist` (a
 registry that imported every config up front would pay for, and break on,
 every unrelated model); listing the models imports them all.
 
@@ -34,7 +35,7 @@ import pkgutil
 from lingvo_pipe.core import base_model
 from lingvo_pipe.core.hyperparams import Params
 
-_PARAMS_PACKAGE = 'params'
+_PARAMS_PACKAGE = 'lingvo_pipe.params'
 DATASETS = ('Train', 'Dev', 'Test')
 
 # Registered name → SingleTaskModelParams subclass.

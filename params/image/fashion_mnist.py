@@ -22,8 +22,8 @@ AmoebaNetD18x256 — paper-shaped, for 8 accelerators: AmoebaNet-D(18, 256)
 
 from lingvo_pipe.core import base_model
 from lingvo_pipe.core import model_registry
-from tasks.image import input_generator
-from tasks.image import model
+from lingvo_pipe.tasks.image import input_generator
+from lingvo_pipe.tasks.image import model
 
 _TRAIN_EXAMPLES = 60000
 

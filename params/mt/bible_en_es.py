@@ -21,14 +21,14 @@ import tensorflow as tf
 
 from lingvo_pipe.core import base_model
 from lingvo_pipe.core import model_registry
-from tasks.mt import input_generator
-from tasks.mt import model
+from lingvo_pipe.tasks.mt import input_generator
+from lingvo_pipe.tasks.mt import model
 
 
 class _BibleTransformer(base_model.SingleTaskModelParams):
   """Shared recipe; the registered subclasses set the numbers."""
 
-  VOCAB_SIZE = 8000  # tasks.mt.vocab.DEFAULT_VOCAB_SIZE: the prepared model.
+  VOCAB_SIZE = 8000  # lingvo_pipe.tasks.mt.vocab.DEFAULT_VOCAB_SIZE: the prepared model.
   MAX_LEN = 64  # Pieces per side, EOS included.
   MODEL_DIM = 256
   NUM_HEADS = 4

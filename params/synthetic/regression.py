@@ -7,8 +7,8 @@ falls from about 1.8 to about 0.06 (the noise floor is 0.05² = 0.0025).
 
 from lingvo_pipe.core import base_model
 from lingvo_pipe.core import model_registry
-from tasks.synthetic import input_generator
-from tasks.synthetic import model
+from lingvo_pipe.tasks.synthetic import input_generator
+from lingvo_pipe.tasks.synthetic import model
 
 _INPUT_DIM = 16
 _OUTPUT_DIM = 4

@@ -56,9 +56,9 @@ from lingvo_pipe.core.nested_map import NestedMap
 from lingvo_pipe.layers import dropout
 from lingvo_pipe.layers import linear
 from lingvo_pipe.layers import shape as shape_lib
-from tasks.image import amoebanet_ops
-from tasks.image.amoebanet_ops import BN_DOC, batch_norm_template, child_meta
-from tasks.image.amoebanet_ops import rcb, shared, sum_metas
+from lingvo_pipe.tasks.image import amoebanet_ops
+from lingvo_pipe.tasks.image.amoebanet_ops import BN_DOC, batch_norm_template, child_meta
+from lingvo_pipe.tasks.image.amoebanet_ops import rcb, shared, sum_metas
 
 LayerError = base_layer.LayerError
 LayerMeta = base_layer.LayerMeta

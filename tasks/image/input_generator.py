@@ -27,8 +27,8 @@ import tensorflow as tf
 from lingvo_pipe.core import base_input_generator
 from lingvo_pipe.core.hyperparams import InstantiableParams
 from lingvo_pipe.core.nested_map import NestedMap
-from tasks import data_paths
-from tasks import datasets
+from lingvo_pipe.tasks import data_paths
+from lingvo_pipe.tasks import datasets
 
 DATASET = 'lingvo_pipe_fashion_mnist'
 SPLITS = ('train', 'test')

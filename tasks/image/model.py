@@ -26,7 +26,7 @@ from lingvo_pipe.core import gpipe
 from lingvo_pipe.core.hyperparams import InstantiableParams, Params
 from lingvo_pipe.core.nested_map import NestedMap
 from lingvo_pipe.layers import softmax
-from tasks.image import amoebanet
+from lingvo_pipe.tasks.image import amoebanet
 
 
 class ImageClassifierTask(base_model.BaseTask):

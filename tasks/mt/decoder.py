@@ -31,8 +31,8 @@ from typing import Any, Callable
 import tensorflow as tf
 
 from lingvo_pipe.core.nested_map import NestedMap
-from tasks.mt import layers as mt_layers
-from tasks.mt import vocab
+from lingvo_pipe.tasks.mt import layers as mt_layers
+from lingvo_pipe.tasks.mt import vocab
 
 StepFn = Callable[[tf.Tensor, tf.Tensor, Any], tuple[tf.Tensor, Any]]
 _NEG = -1.0e9  # Finite "minus infinity": keeps arithmetic free of NaN.
@@ -43,7 +43,7 @@ class DecodeError(ValueError):
 
 
 class PipelineDecoder:
-  """Runs a PipeliningLayer of `tasks.mt.layers` token by token.
+  """Runs a PipeliningLayer of `lingvo_pipe.tasks.mt.layers` token by token.
 
   >>> dec = PipelineDecoder(task.children.pipeline)
   >>> memory = dec.encode(theta.pipeline, src_ids, src_paddings)
@@ -60,7 +60,7 @@ class PipelineDecoder:
           f'{where}: decoding needs layers[0] to be a SourceTargetEmbedding '
           f'and the last a DecoderSoftmax, got {type(layers[0]).__name__} '
           f'and {type(layers[-1]).__name__}; build the list with '
-          'tasks.mt.model.transformer_layers.')
+          'lingvo_pipe.tasks.mt.model.transformer_layers.')
     self._layers = layers
     self._encoders = [i for i, l in enumerate(layers)
                       if isinstance(l, (mt_layers.EncoderLayer,
@@ -71,7 +71,7 @@ class PipelineDecoder:
                               max(self._encoders) > min(self._decoders)):
       raise DecodeError(f'{where}: expected encoder layers, then at least '
                         'one DecoderLayer; build the list with '
-                        'tasks.mt.model.transformer_layers.')
+                        'lingvo_pipe.tasks.mt.model.transformer_layers.')
     bounds, devices = pipeline.boundaries, pipeline.devices
     self._device = [devices[k] for k in range(len(devices))
                     for _ in range(bounds[k], bounds[k + 1])]

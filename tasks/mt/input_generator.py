@@ -16,7 +16,7 @@ the step → bucket → examples map stays a pure function of the step:
     examples     = bucket b's examples at train_indices(j, N_b, E_b)
 
 Tokenisation runs
-once, at load time, with the joint SentencePiece model (`tasks.mt.vocab`);
+once, at load time, with the joint SentencePiece model (`lingvo_pipe.tasks.mt.vocab`);
 the arrays then stay in memory and the training order is the pure function
 of the step that `InMemoryInputGenerator` computes.
 
@@ -48,8 +48,8 @@ import tensorflow as tf
 from lingvo_pipe.core import base_input_generator
 from lingvo_pipe.core.hyperparams import InstantiableParams
 from lingvo_pipe.core.nested_map import NestedMap
-from tasks import datasets
-from tasks.mt import vocab as vocab_lib
+from lingvo_pipe.tasks import datasets
+from lingvo_pipe.tasks.mt import vocab as vocab_lib
 
 SPLITS = ('train', 'dev', 'test')
 
@@ -103,7 +103,7 @@ class BibleTranslationInput(base_input_generator.InMemoryInputGenerator):
     p.Define('source_language', 'en', 'Feature of the source text.')
     p.Define('target_language', 'es', 'Feature of the target text.')
     p.Define('vocab_path', '', 'SentencePiece model; "" = the prepared one '
-             '(tasks.mt.vocab.default_model_path()).')
+             '(lingvo_pipe.tasks.mt.vocab.default_model_path()).')
     p.Define('bucket_upper_bounds', [], 'Training only: increasing padded '
              'lengths of the length buckets, the last = max_len; [] = one '
              'shape [batch_size, max_len].')

@@ -30,9 +30,9 @@ from lingvo_pipe.core import gpipe
 from lingvo_pipe.core.hyperparams import InstantiableParams
 from lingvo_pipe.core.nested_map import NestedMap
 from lingvo_pipe.layers import softmax
-from tasks.mt import decoder
-from tasks.mt import layers as mt_layers
-from tasks.mt import vocab as vocab_lib
+from lingvo_pipe.tasks.mt import decoder
+from lingvo_pipe.tasks.mt import layers as mt_layers
+from lingvo_pipe.tasks.mt import vocab as vocab_lib
 
 
 def transformer_layers(vocab_size: int, model_dim: int, num_heads: int,
@@ -44,7 +44,7 @@ def transformer_layers(vocab_size: int, model_dim: int, num_heads: int,
                        pre_layer_norm: bool = True,
                        fprop_dtype: tf.DType | None = None
                       ) -> list[InstantiableParams]:
-  """The pipeline's layer list (see `tasks.mt.layers`), pre-LN by default.
+  """The pipeline's layer list (see `lingvo_pipe.tasks.mt.layers`), pre-LN by default.
 
   Post-LN stacks (`pre_layer_norm=False`) normalise after every residual
   add, so they get no final norms. `fprop_dtype` (e.g. tf.bfloat16) is the

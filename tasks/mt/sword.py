@@ -28,8 +28,8 @@ import re
 import struct
 import zlib
 
-from tasks.mt import versification
-from tasks.mt.versification import VerseRef
+from lingvo_pipe.tasks.mt import versification
+from lingvo_pipe.tasks.mt.versification import VerseRef
 
 _BLOCK = struct.Struct('<III')  # offset, compressed size, raw size
 _SLOT = struct.Struct('<IIH')  # block, offset in the raw block, size

@@ -28,7 +28,7 @@ from typing import Iterable, Sequence
 import numpy as np
 import sentencepiece as spm
 
-from tasks import data_paths
+from lingvo_pipe.tasks import data_paths
 
 PAD_ID, EOS_ID, BOS_ID, UNK_ID = 0, 1, 2, 3
 DEFAULT_VOCAB_SIZE = 8000
@@ -95,7 +95,7 @@ class Vocab:
     if not path.is_file():
       raise data_paths.MissingDataError(
           f'SentencePiece model {path} not found. Train it with `python -m '
-          'tasks.prepare_data --datasets=bible_en_es` (it is trained on the '
+          'lingvo_pipe.tasks.prepare_data --datasets=bible_en_es` (it is trained on the '
           'training split when the dataset is prepared).')
     self._sp = spm.SentencePieceProcessor(model_file=str(path))
     self.path = path

@@ -12,7 +12,7 @@ import binary_runner as br
 from lingvo_pipe.core import checkpoints
 from lingvo_pipe.core import model_registry
 from lingvo_pipe.core import summaries
-from tasks.synthetic import input_generator
+from lingvo_pipe.tasks.synthetic import input_generator
 
 
 def _scores(score_dir):

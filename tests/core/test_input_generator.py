@@ -6,7 +6,7 @@ import tensorflow as tf
 
 from lingvo_pipe.core import base_input_generator as big
 from lingvo_pipe.core.nested_map import NestedMap
-from tasks.synthetic import input_generator as synthetic
+from lingvo_pipe.tasks.synthetic import input_generator as synthetic
 
 
 class _Range(big.InMemoryInputGenerator):
@@ -109,7 +109,7 @@ def test_missing_data_is_one_line_with_the_fix():
   message = str(e.value)
   assert '\n' not in message
   assert message.startswith('mnist_train: data not available: /data/train')
-  assert 'tasks.prepare_data' in message
+  assert 'lingvo_pipe.tasks.prepare_data' in message
 
 
 def test_a_loader_bug_is_not_reported_as_missing_data():

@@ -9,7 +9,7 @@ from lingvo_pipe.core import base_model
 from lingvo_pipe.core import model_registry
 
 _NAME = 'synthetic.regression.MlpRegression'
-_MODULE = 'params.synthetic.regression'
+_MODULE = 'lingvo_pipe.params.synthetic.regression'
 
 
 def test_name_is_module_under_params_plus_class():
@@ -47,15 +47,15 @@ def test_a_broken_config_module_is_not_called_unknown(tmp_path, monkeypatch):
   pkg.mkdir(parents=True)
   (pkg / '__init__.py').write_text('')
   (pkg / 'cfg.py').write_text('import no_such_dependency_xyz\n')
-  import params  # pylint: disable=g-import-not-at-top
+  from lingvo_pipe import params  # pylint: disable=g-import-not-at-top
   monkeypatch.setattr(params, '__path__',
                       list(params.__path__) + [str(tmp_path / 'params')])
   try:
     with pytest.raises(ModuleNotFoundError, match='no_such_dependency_xyz'):
       model_registry.get_class('broken.cfg.Model')
   finally:
-    sys.modules.pop('params.broken.cfg', None)
-    sys.modules.pop('params.broken', None)
+    sys.modules.pop('lingvo_pipe.params.broken.cfg', None)
+    sys.modules.pop('lingvo_pipe.params.broken', None)
 
 
 def test_get_params_composes_model_task_and_input():

@@ -5,7 +5,7 @@ Importing this package registers the builder `lingvo_pipe_fashion_mnist`
 Load a split with `tasks.datasets.load('fashion_mnist', 'train')`.
 """
 
-from tasks.image.fashion_mnist.builder import CLASS_NAMES
-from tasks.image.fashion_mnist.builder import LingvoPipeFashionMnist
+from lingvo_pipe.tasks.image.fashion_mnist.builder import CLASS_NAMES
+from lingvo_pipe.tasks.image.fashion_mnist.builder import LingvoPipeFashionMnist
 
 __all__ = ['CLASS_NAMES', 'LingvoPipeFashionMnist']

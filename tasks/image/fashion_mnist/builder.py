@@ -21,8 +21,8 @@ from typing import Any, Iterator
 import numpy as np
 import tensorflow_datasets as tfds
 
-from tasks import data_paths
-from tasks.image.fashion_mnist import idx
+from lingvo_pipe.tasks import data_paths
+from lingvo_pipe.tasks.image.fashion_mnist import idx
 
 CLASS_NAMES = ('T-shirt/top', 'Trouser', 'Pullover', 'Dress', 'Coat',
                'Sandal', 'Shirt', 'Sneaker', 'Bag', 'Ankle boot')

@@ -42,7 +42,7 @@ def read_idx(path: str | pathlib.Path, ndim: int) -> np.ndarray:
   """
   path = pathlib.Path(path)
   fix = ('Re-extract the Debian package dataset-fashion-mnist: delete the '
-         'file and run `python -m tasks.prepare_data --datasets='
+         'file and run `python -m lingvo_pipe.tasks.prepare_data --datasets='
          'fashion_mnist`.')
   try:
     with gzip.open(path, 'rb') as f:

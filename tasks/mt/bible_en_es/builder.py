@@ -35,9 +35,9 @@ from typing import Any, Iterator
 import numpy as np
 import tensorflow_datasets as tfds
 
-from tasks import data_paths
-from tasks.mt import sword
-from tasks.mt.versification import VerseRef
+from lingvo_pipe.tasks import data_paths
+from lingvo_pipe.tasks.mt import sword
+from lingvo_pipe.tasks.mt.versification import VerseRef
 
 EN_MODULE = 'engKJV2006eb'
 ES_MODULE = 'spaRV1909eb'

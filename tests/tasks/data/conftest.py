@@ -17,9 +17,9 @@ import zlib
 import numpy as np
 import pytest
 
-from tasks import data_paths
-from tasks.mt import versification
-from tasks.mt.versification import VerseRef
+from lingvo_pipe.tasks import data_paths
+from lingvo_pipe.tasks.mt import versification
+from lingvo_pipe.tasks.mt.versification import VerseRef
 
 
 def write_idx_gz(path: pathlib.Path, array: np.ndarray) -> None:

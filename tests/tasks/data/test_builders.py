@@ -3,10 +3,10 @@
 import numpy as np
 import pytest
 
-from tasks import data_paths
-from tasks import datasets
-from tasks.mt import bible_en_es
-from tasks.mt.versification import VerseRef
+from lingvo_pipe.tasks import data_paths
+from lingvo_pipe.tasks import datasets
+from lingvo_pipe.tasks.mt import bible_en_es
+from lingvo_pipe.tasks.mt.versification import VerseRef
 
 
 def _as_set(images, labels):

@@ -4,7 +4,7 @@ import pathlib
 
 import pytest
 
-from tasks import data_paths
+from lingvo_pipe.tasks import data_paths
 
 
 def test_cache_layout_follows_env(tmp_path, monkeypatch):
@@ -26,7 +26,7 @@ def test_missing_error_names_packages_and_fix(empty_data_root):
     data_paths.require('bible_en_es')
   message = str(e.value)
   assert 'sword-text-kjv' in message and 'sword-text-sparv' in message
-  assert 'python -m tasks.prepare_data --datasets=bible_en_es' in message
+  assert 'python -m lingvo_pipe.tasks.prepare_data --datasets=bible_en_es' in message
   assert 'tools/setup.sh' in message
   assert str(empty_data_root / 'debian' / 'usr/share/sword') in message
   assert data_paths.missing_packages('bible_en_es') == [

@@ -5,7 +5,7 @@ import gzip
 import numpy as np
 import pytest
 
-from tasks.image.fashion_mnist import idx
+from lingvo_pipe.tasks.image.fashion_mnist import idx
 
 
 def test_round_trip(tmp_path, idx_writer):

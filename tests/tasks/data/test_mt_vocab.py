@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from tasks import data_paths
-from tasks.mt import vocab
+from lingvo_pipe.tasks import data_paths
+from lingvo_pipe.tasks.mt import vocab
 
 
 @pytest.fixture

@@ -2,8 +2,8 @@
 
 import pytest
 
-from tasks import data_paths
-from tasks import prepare_data
+from lingvo_pipe.tasks import data_paths
+from lingvo_pipe.tasks import prepare_data
 
 
 def test_builds_from_cached_sources_without_fetching(

@@ -1,24 +1,24 @@
 """The real Debian data, where it is on this machine (skipped elsewhere).
 
-Run `python -m tasks.prepare_data` first; these tests read the sources with
+Run `python -m lingvo_pipe.tasks.prepare_data` first; these tests read the sources with
 our readers (no TFDS) and check facts known independently of our code.
 """
 
 import numpy as np
 import pytest
 
-from tasks import data_paths
-from tasks.image.fashion_mnist import idx
-from tasks.mt import bible_en_es
-from tasks.mt import sword
-from tasks.mt.versification import VerseRef
+from lingvo_pipe.tasks import data_paths
+from lingvo_pipe.tasks.image.fashion_mnist import idx
+from lingvo_pipe.tasks.mt import bible_en_es
+from lingvo_pipe.tasks.mt import sword
+from lingvo_pipe.tasks.mt.versification import VerseRef
 
 
 def _source_or_skip(dataset):
   missing = data_paths.missing_packages(dataset)
   if missing:
     pytest.skip(f'Debian data not present ({missing}); run python -m '
-                'tasks.prepare_data.')
+                'lingvo_pipe.tasks.prepare_data.')
   return data_paths.require(dataset)
 
 

@@ -2,9 +2,9 @@
 
 import pytest
 
-from tasks.mt import sword
-from tasks.mt import versification
-from tasks.mt.versification import VerseRef
+from lingvo_pipe.tasks.mt import sword
+from lingvo_pipe.tasks.mt import versification
+from lingvo_pipe.tasks.mt.versification import VerseRef
 
 
 def test_versification_totals():

@@ -19,8 +19,8 @@ from lingvo_pipe.core import base_layer
 from lingvo_pipe.core import gpipe
 from lingvo_pipe.pipeline import transparency
 from lingvo_pipe.layers import sequential
-from tasks.image import amoebanet
-from tasks.image import amoebanet_ops
+from lingvo_pipe.tasks.image import amoebanet
+from lingvo_pipe.tasks.image import amoebanet_ops
 
 sys.path.insert(0, os.path.abspath(os.path.join(
     os.path.dirname(__file__), '..', '..', 'layers')))  # The layer suite.

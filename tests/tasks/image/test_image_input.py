@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from lingvo_pipe.core import base_input_generator
-from tasks import data_paths
-from tasks.image import input_generator
+from lingvo_pipe.tasks import data_paths
+from lingvo_pipe.tasks.image import input_generator
 
 _N = 12
 
@@ -90,5 +90,5 @@ def test_missing_data_is_one_message_with_the_fix(tmp_path, monkeypatch):
   message = str(e.value)
   assert message.startswith('fashion_mnist_train: data not available')
   assert 'dataset-fashion-mnist' in message
-  assert 'python -m tasks.prepare_data' in message
+  assert 'python -m lingvo_pipe.tasks.prepare_data' in message
   assert '\n' not in message

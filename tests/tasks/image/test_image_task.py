@@ -12,8 +12,8 @@ from lingvo_pipe.core import learning_rate
 from lingvo_pipe.core import model_registry
 from lingvo_pipe.core import optimizer
 from lingvo_pipe.core.nested_map import NestedMap
-from tasks.image import input_generator
-from tasks.image import model
+from lingvo_pipe.tasks.image import input_generator
+from lingvo_pipe.tasks.image import model
 
 _TINY_NET = ('task.network.num_cells: 3; task.network.filters: 4; '
              'task.network.stem_filters: 4')

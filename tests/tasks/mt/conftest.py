@@ -2,7 +2,7 @@
 
 Nothing here reads the prepared Bible data or the network: the vocabulary is
 trained on the sentence pairs below (written for these tests), so every test
-of `tasks.mt` runs on a fresh machine in seconds.
+of `lingvo_pipe.tasks.mt` runs on a fresh machine in seconds.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from tasks.mt import vocab
+from lingvo_pipe.tasks.mt import vocab
 
 sys.path.insert(0, os.path.dirname(__file__))
 # pylint: disable=g-import-not-at-top,wrong-import-position
@@ -42,7 +42,7 @@ def mt_vocab(mt_data) -> vocab.Vocab:
 @pytest.fixture
 def tiny_task_params(mt_data, mt_vocab):
   """Factory of TranslationTask Params: d=16, 2 heads, 2+2 layers."""
-  from tasks.mt import model  # pylint: disable=g-import-not-at-top
+  from lingvo_pipe.tasks.mt import model  # pylint: disable=g-import-not-at-top
 
   def make(batch_size=4, max_len=16, num_stages=2, num_micro_batches=2,
            dropout_prob=0.0, fprop_dtype=None, **task_values):

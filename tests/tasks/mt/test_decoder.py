@@ -8,8 +8,8 @@ import pytest
 import tensorflow as tf
 
 from lingvo_pipe.core.nested_map import NestedMap
-from tasks.mt import decoder
-from tasks.mt import vocab
+from lingvo_pipe.tasks.mt import decoder
+from lingvo_pipe.tasks.mt import vocab
 
 PAD, EOS, BOS = vocab.PAD_ID, vocab.EOS_ID, vocab.BOS_ID
 

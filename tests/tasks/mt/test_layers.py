@@ -15,9 +15,9 @@ from lingvo_pipe.core import fprop_context
 from lingvo_pipe.core import gpipe
 from lingvo_pipe.pipeline import transparency
 from lingvo_pipe.layers import softmax
-from tasks.mt import decoder
-from tasks.mt import layers as mt_layers
-from tasks.mt import model
+from lingvo_pipe.tasks.mt import decoder
+from lingvo_pipe.tasks.mt import layers as mt_layers
+from lingvo_pipe.tasks.mt import model
 
 B, S, T, V = 4, 7, 5, 37
 

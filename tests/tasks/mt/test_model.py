@@ -10,8 +10,8 @@ import tensorflow as tf
 from lingvo_pipe.core import base_layer
 from lingvo_pipe.core import fprop_context
 from lingvo_pipe.core.nested_map import NestedMap
-from tasks.mt import input_generator
-from tasks.mt import model
+from lingvo_pipe.tasks.mt import input_generator
+from lingvo_pipe.tasks.mt import model
 
 
 def _np_smoothed_xent(logits, labels, weights, eps):

@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 
 from lingvo_pipe.core import base_input_generator
-from tasks.mt import input_generator
-from tasks.mt import vocab
+from lingvo_pipe.tasks.mt import input_generator
+from lingvo_pipe.tasks.mt import vocab
 
 from mt_testdata import LONG_PAIR, PAIRS  # pylint: disable=g-bad-import-order
 

@@ -14,8 +14,8 @@ from lingvo_pipe import trainer as trainer_lib
 from lingvo_pipe.core import gpipe
 from lingvo_pipe.core import model_registry
 from lingvo_pipe.core.hyperparams import Params
-from params.mt import bible_en_es
-from tasks.mt import layers as mt_layers
+from lingvo_pipe.params.mt import bible_en_es
+from lingvo_pipe.tasks.mt import layers as mt_layers
 
 from mt_testdata import PAIRS  # pylint: disable=g-bad-import-order
 
