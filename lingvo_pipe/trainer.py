@@ -328,9 +328,8 @@ def _main(argv: list[str]) -> None:
       tf.config.experimental.enable_op_determinism()
     params = build_params()
     if _MODE.value == 'inspect_params':
-      task = params.task.Instantiate()
       print(params.ToText(), end='')
-      print(task.Inspect())
+      print(params.task.cls.InspectParams(params.task))
       return
     logdir = _LOGDIR.value
     _cli.check_writable_dir(logdir)
