@@ -13,8 +13,11 @@ by the measured times. `profile_layers` does that:
       trace  F(x) = FProp(theta, *x)  and  FB(x) = F + gradient of the float
              outputs (fed ones) w.r.t. theta and the float inputs, under
              tf.function, in a training fprop_context
-      warm up, then time F and FB alternately `repeats` times
-      forward = median(F);  backward = max(0, median(FB) - median(F))
+      warm up, then time E, F and FB in turn `repeats` times, where E is
+             an empty call (dispatch overhead, paid once per stage call in
+             the engine, not once per layer)
+      forward = max(0, median(F) - median(E))
+      backward = max(0, median(FB) - median(F))
 
 One micro-batch, because that is what a stage runs per op: the rate of an
 op depends on its size (small matmuls run far below peak), so timing the
@@ -179,21 +182,27 @@ def _profile_one(layer: Any, name: str, x: tuple[Any, ...], device: str,
   """Times one built layer on x; returns its profile and its outputs."""
   forward, forward_backward = _bodies(layer, device, num_micro_batches,
                                       batch_dim)
+  # The cost of a call that computes nothing: Python and runtime dispatch,
+  # paid once per stage call in the engine, not once per layer.
+  empty = tf.function(lambda x, step, m: tf.nest.map_structure(tf.identity, x),
+                      autograph=False)
   with tf.device(device):
     args = (x, tf.constant(0, tf.int64), tf.constant(0, tf.int32))
-  y, _ = forward(*args)  # Traces.
+  y, _ = forward(*args)  # Traces, as do the next two calls.
+  empty(*args)
   forward_backward(*args)
+  fns = (empty, forward, forward_backward)
   for _ in range(warmup):
-    forward(*args)
-    forward_backward(*args)
-  f_times, fb_times = [], []
-  for _ in range(repeats):  # Alternated: noise hits both alike.
-    f_times.append(_seconds(forward, args))
-    fb_times.append(_seconds(forward_backward, args))
-  f, fb = statistics.median(f_times), statistics.median(fb_times)
+    for fn in fns:
+      fn(*args)
+  times: list[list[float]] = [[], [], []]
+  for _ in range(repeats):  # Alternated: noise hits all three alike.
+    for fn, t in zip(fns, times):
+      t.append(_seconds(fn, args))
+  e, f, fb = (statistics.median(t) for t in times)
   y = y if isinstance(y, tuple) else (y,)
   return LayerProfile(
-      name=name, forward_s=f, backward_s=max(0.0, fb - f),
+      name=name, forward_s=max(0.0, f - e), backward_s=max(0.0, fb - f),
       out_bytes=_nbytes(y),
       param_bytes=_nbytes(list(layer.trainable_variables))), y
 
