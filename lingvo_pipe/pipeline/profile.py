@@ -19,16 +19,20 @@ by the measured times. `profile_layers` does that:
       forward = max(0, median(F) - median(E))
       backward = max(0, median(FB) - median(F))
 
-One micro-batch, because that is what a stage runs per op: the rate of an
-op depends on its size (small matmuls run far below peak), so timing the
-whole batch and dividing by M would misjudge small micro-batches.
+`clock='cpu'` times by this process's CPU time: on a CPU host shared with
+other work, their load stretches wall time but not our CPU time (median of
+15 calls of one op on a busy 2-core machine: 4.1–4.4 ms by CPU time,
+4.9–8.2 ms by wall time). It equals wall time only with single-threaded TF
+pools, as stage worker processes have, and misses accelerator time.
 
-What a profile leaves out: the recompute pass (a stage with recompute runs
-its forward twice, so its cost is ~forward + forward + backward; balanced
-costs stay balanced unless layers' forward/backward ratios differ a lot),
-the engine's per-op overhead, and contention with the other stages of a
-real run. Weights do not change timings, so each layer is built alone (its
-own root path and seed) and need not match the model's initial values.
+One micro-batch, as a stage runs it: small matmuls run far below peak, so
+the whole batch's time ÷ M would misjudge small micro-batches.
+
+Left out: the recompute pass (with recompute a stage costs ~2·forward +
+backward; costs stay balanced unless layers' forward/backward ratios differ
+a lot), the engine's per-op overhead, and contention with the other stages
+of a real run. Weights do not change timings, so each layer is built alone
+(its own root path and seed), not with the model's initial values.
 
 >>> from lingvo_pipe.layers import linear
 >>> p = [linear.FCLayer.Params().Set(name='fc', input_dim=4, output_dim=4)]
@@ -52,8 +56,12 @@ from lingvo_pipe.core.fprop_context import StatsCollector
 from lingvo_pipe.pipeline import devices as devices_lib
 from lingvo_pipe.pipeline import microbatch
 
-__all__ = ['LayerProfile', 'ProfileError', 'costs_from_profiles',
+__all__ = ['CLOCKS', 'LayerProfile', 'ProfileError', 'costs_from_profiles',
            'profile_layers', 'synthetic_inputs']
+
+# What a profile times by (see the module doc).
+CLOCKS: dict[str, Callable[[], float]] = {'wall': time.perf_counter,
+                                          'cpu': time.process_time}
 
 # A PCIe 3.0 x16 link moves ~1e10 bytes/s; measure yours for real numbers.
 DEFAULT_BYTES_PER_SECOND = 1e10
@@ -67,10 +75,10 @@ class ProfileError(ValueError):
 class LayerProfile:
   """Measured cost of one layer on one micro-batch.
 
-  forward_s / backward_s are median seconds per micro-batch; out_bytes are
-  the bytes of the layer's outputs for one micro-batch (what crosses a
-  stage boundary if a stage ends here); param_bytes those of its trainable
-  variables.
+  forward_s / backward_s: median seconds per micro-batch (less the dispatch
+  of an empty call); out_bytes: the layer's outputs for one micro-batch
+  (what crosses a stage boundary if a stage ends here); param_bytes: its
+  trainable variables.
   """
   name: str
   forward_s: float
@@ -97,9 +105,8 @@ def synthetic_inputs(input_shapes: Sequence[Sequence[int]],
                      float_value: float = 1.0) -> tuple[tf.Tensor, ...]:
   """Inputs of the given shapes for a profile when no real batch is at hand.
 
-  Timings of dense ops do not depend on the values. Floats are filled with
-  `float_value` (ones by default: ReLUs pass them, norms stay finite), ints
-  with zeros, which is a valid id for every embedding and label.
+  Dense ops' timings do not depend on values. Floats are `float_value` (1:
+  ReLUs pass it, norms stay finite); ints 0, a valid id and label anywhere.
 
   Args:
     input_shapes: one fully known shape per positional input, for one
@@ -127,8 +134,18 @@ def synthetic_inputs(input_shapes: Sequence[Sequence[int]],
   return tuple(out)
 
 
-def _bodies(layer: Any, device: str, num_micro_batches: int,
-            batch_dim: int) -> tuple[Callable[..., Any], Callable[..., Any]]:
+@dataclasses.dataclass(frozen=True)
+class _Settings:  # How profile_layers runs and times each layer.
+  device: str
+  num_micro_batches: int
+  batch_dim: int
+  repeats: int
+  warmup: int
+  clock: str
+
+
+def _bodies(layer: Any, cfg: _Settings
+           ) -> tuple[Callable[..., Any], Callable[..., Any]]:
   """The forward and forward+backward of `layer`, as tf.functions.
 
   Step and micro-batch index are arguments, not constants, so Grappler
@@ -141,20 +158,20 @@ def _bodies(layer: Any, device: str, num_micro_batches: int,
   def _fprop(x: tuple[Any, ...], step: tf.Tensor, m: tf.Tensor) -> Any:
     collector = StatsCollector()
     with fprop_context.scope(training=True, step=step, micro_batch_index=m,
-                             num_micro_batches=num_micro_batches,
-                             batch_dim=batch_dim, stats=collector):
+                             num_micro_batches=cfg.num_micro_batches,
+                             batch_dim=cfg.batch_dim, stats=collector):
       y = layer.FProp(layer.theta, *x)
     return y, collector.stats
 
   @tf.function(autograph=False)
   def forward(x: tuple[Any, ...], step: tf.Tensor, m: tf.Tensor) -> Any:
-    with tf.device(device):
+    with tf.device(cfg.device):
       return _fprop(x, step, m)
 
   @tf.function(autograph=False)
   def forward_backward(x: tuple[Any, ...], step: tf.Tensor,
                        m: tf.Tensor) -> Any:
-    with tf.device(device):
+    with tf.device(cfg.device):
       with tf.GradientTape() as tape:
         x_float = _floats(tf.nest.flatten(x))
         tape.watch(x_float)
@@ -169,36 +186,32 @@ def _bodies(layer: Any, device: str, num_micro_batches: int,
   return forward, forward_backward
 
 
-def _seconds(fn: Callable[..., Any], args: tuple[Any, ...]) -> float:
-  start = time.perf_counter()
+def _seconds(fn: Callable[..., Any], args: tuple[Any, ...],
+             clock: Callable[[], float]) -> float:
+  start = clock()
   fn(*args)
   tf.test.experimental.sync_devices()  # Accelerators run asynchronously.
-  return time.perf_counter() - start
+  return clock() - start
 
 
-def _profile_one(layer: Any, name: str, x: tuple[Any, ...], device: str,
-                 num_micro_batches: int, batch_dim: int, repeats: int,
-                 warmup: int) -> tuple[LayerProfile, tuple[Any, ...]]:
+def _profile_one(layer: Any, name: str, x: tuple[Any, ...],
+                 cfg: _Settings) -> tuple[LayerProfile, tuple[Any, ...]]:
   """Times one built layer on x; returns its profile and its outputs."""
-  forward, forward_backward = _bodies(layer, device, num_micro_batches,
-                                      batch_dim)
+  forward, forward_backward = _bodies(layer, cfg)
   # The cost of a call that computes nothing: Python and runtime dispatch,
   # paid once per stage call in the engine, not once per layer.
   empty = tf.function(lambda x, step, m: tf.nest.map_structure(tf.identity, x),
                       autograph=False)
-  with tf.device(device):
+  with tf.device(cfg.device):
     args = (x, tf.constant(0, tf.int64), tf.constant(0, tf.int32))
   y, _ = forward(*args)  # Traces, as do the next two calls.
-  empty(*args)
-  forward_backward(*args)
   fns = (empty, forward, forward_backward)
-  for _ in range(warmup):
-    for fn in fns:
-      fn(*args)
+  for fn in fns[::2] + fns * cfg.warmup:
+    fn(*args)
   times: list[list[float]] = [[], [], []]
-  for _ in range(repeats):  # Alternated: noise hits all three alike.
+  for _ in range(cfg.repeats):  # Alternated: noise hits all three alike.
     for fn, t in zip(fns, times):
-      t.append(_seconds(fn, args))
+      t.append(_seconds(fn, args, CLOCKS[cfg.clock]))
   e, f, fb = (statistics.median(t) for t in times)
   y = y if isinstance(y, tuple) else (y,)
   return LayerProfile(
@@ -209,8 +222,8 @@ def _profile_one(layer: Any, name: str, x: tuple[Any, ...], device: str,
 
 def profile_layers(layer_params: Sequence[Any], inputs: Sequence[Any],
                    num_micro_batches: int, device: str | None = None,
-                   repeats: int = 5, warmup: int = 1,
-                   batch_dim: int = 0) -> list[LayerProfile]:
+                   repeats: int = 5, warmup: int = 1, batch_dim: int = 0,
+                   clock: str = 'wall') -> list[LayerProfile]:
   """Times forward and backward of each layer of a sequence (see module doc).
 
   Args:
@@ -224,12 +237,14 @@ def profile_layers(layer_params: Sequence[Any], inputs: Sequence[Any],
     repeats: timed calls of each function; the median is kept.
     warmup: untimed calls after the tracing call.
     batch_dim: the batch dimension of every input leaf.
+    clock: 'wall', or 'cpu' on a shared CPU host with single-threaded
+      pools (see the module doc).
 
   Returns:
     One LayerProfile per layer, in order.
 
   Raises:
-    ProfileError: empty layers or bad repeats/warmup.
+    ProfileError: empty layers or bad repeats, warmup or clock.
     microbatch.MicroBatchError: a batch that M does not divide.
   """
   if not layer_params:
@@ -238,11 +253,14 @@ def profile_layers(layer_params: Sequence[Any], inputs: Sequence[Any],
   if repeats < 1 or warmup < 0:
     raise ProfileError(f'repeats={repeats}, warmup={warmup}: use repeats ≥ '
                        '1 (the median of them is kept) and warmup ≥ 0.')
+  if clock not in CLOCKS:
+    raise ProfileError(f'clock={clock!r}; use one of {sorted(CLOCKS)}.')
   where = 'profile_layers'
   device = device or devices_lib.default_devices(1)[0]
   inputs = tuple(inputs)
   n = microbatch.batch_size(inputs, batch_dim, where)
   m = microbatch.num_micro_batches(n, num_micro_batches, None, where)
+  cfg = _Settings(device, m, batch_dim, repeats, warmup, clock)
   with tf.device(device):
     x = tuple(tf.identity(t) for t in microbatch.split(
         tuple(tf.convert_to_tensor(t) for t in inputs), m, batch_dim)[0])
@@ -251,8 +269,7 @@ def profile_layers(layer_params: Sequence[Any], inputs: Sequence[Any],
     name = lp.name or lp.cls.__name__
     with tf.device(device):
       layer = lp.Copy().Instantiate()
-    prof, x = _profile_one(layer, name, x, device, m, batch_dim, repeats,
-                           warmup)
+    prof, x = _profile_one(layer, name, x, cfg)
     profiles.append(prof)
     del layer
     gc.collect()  # Frees this layer's variables before the next is built.
@@ -268,11 +285,10 @@ def costs_from_profiles(profiles: Sequence[LayerProfile],
   With `include_transfer`, each layer is also charged 2 × out_bytes /
   bytes_per_second: its output crosses a device boundary forward and its
   gradient (the same size) crosses back. The partitioner sums per-layer
-  costs, so this charges every layer as if a stage ended after it; it
-  overstates stages by their interior layers' transfers and is a fair
-  estimate only when transfers are small next to compute or outputs are of
-  similar size. A cost that charges only the cut layers needs a partitioner
-  with per-cut costs, which is not built.
+  costs, so every layer is charged as if a stage ended after it, which
+  overstates stages by their interior layers' transfers: fair when
+  transfers are small next to compute or outputs are of similar size.
+  Charging only the cut layers needs a partitioner with per-cut costs.
 
   Raises:
     ProfileError: no profiles, or a bandwidth that is not > 0.
@@ -282,10 +298,5 @@ def costs_from_profiles(profiles: Sequence[LayerProfile],
   if include_transfer and not bytes_per_second > 0:
     raise ProfileError(f'bytes_per_second={bytes_per_second!r} must be > 0 '
                        '(the stage-to-stage bandwidth, e.g. 1e10 for PCIe).')
-  costs = []
-  for prof in profiles:
-    cost = prof.total_s
-    if include_transfer:
-      cost += 2.0 * prof.out_bytes / bytes_per_second
-    costs.append(cost)
-  return costs
+  per_byte = 2.0 / bytes_per_second if include_transfer else 0.0
+  return [p.total_s + per_byte * p.out_bytes for p in profiles]
