@@ -55,13 +55,14 @@ from lingvo_pipe.pipeline import partitioner
 from lingvo_pipe.pipeline import simulator
 from lingvo_pipe.pipeline.partitioner import format_quantity
 
-__all__ = ['MemoryBudgetError', 'MemoryPrediction', 'OPTIMIZER_SLOTS',
+__all__ = ['COMPONENTS', 'MemoryBudgetError', 'MemoryPrediction',
+           'OPTIMIZER_SLOTS',
            'PreflightError', 'StageMemory', 'check_budget',
            'choose_micro_batches', 'predict']
 
 # Slot variables per parameter, as lingvo_pipe.core.optimizer creates them.
 OPTIMIZER_SLOTS = {'sgd': 1, 'adam': 2, 'rmsprop': 2}
-_FIELDS = ('parameters', 'gradients', 'optimizer_slots', 'activations',
+COMPONENTS = ('parameters', 'gradients', 'optimizer_slots', 'activations',
            'workspace', 'io')
 
 
@@ -85,13 +86,13 @@ class StageMemory:
 
   @property
   def total(self) -> float:
-    return sum(getattr(self, f) for f in _FIELDS)
+    return sum(getattr(self, f) for f in COMPONENTS)
 
   def describe(self) -> str:
     """'1.2 GiB (parameters 100 MiB, gradients …)'."""
     parts = ', '.join(
         f'{f.replace("_", " ")} {format_quantity(getattr(self, f), "bytes")}'
-        for f in _FIELDS)
+        for f in COMPONENTS)
     return f'{format_quantity(self.total, "bytes")} ({parts})'
 
 
@@ -115,9 +116,9 @@ class MemoryPrediction:
 
   def to_text(self) -> str:
     """A table, one row per stage, in human units."""
-    header = ['stage', *(f.replace('_', ' ') for f in _FIELDS), 'total']
+    header = ['stage', *(f.replace('_', ' ') for f in COMPONENTS), 'total']
     rows = [[str(k)] + [format_quantity(getattr(s, f), 'bytes')
-                        for f in _FIELDS + ('total',)]
+                        for f in COMPONENTS + ('total',)]
             for k, s in enumerate(self.stages)]
     return '\n'.join([
         f'predicted peak memory per stage: schedule={self.schedule}, '
