@@ -1,32 +1,30 @@
 """Per-layer costs measured by a short profiling pass (PipeDream's half).
 
-FPropMeta flops rank layers well only when every op runs at the same rate,
-and they do not: a wide matmul runs near peak, while a LayerNorm, a
-softmax or an embedding gather is bound by memory bandwidth and costs far
-more time per flop. A partition balanced by flops can then leave one stage
-twice as slow as another. PipeDream (Narayanan et al., SOSP 2019) instead
-times each layer on the target device for a few iterations and partitions
-by the measured times. `profile_layers` does that:
+FPropMeta flops rank layers well only if every op runs at the same rate; a
+wide matmul runs near peak, while a LayerNorm, a dropout or an embedding
+gather is bound by memory bandwidth and costs far more time per flop, so a
+partition balanced by flops can leave one stage 1.5× slower than the mean
+(tools/bench/partition_bench.py). PipeDream (Narayanan et al., SOSP 2019)
+times each layer on the target device instead. `profile_layers` does that:
 
     for each layer, in order (built alone on `device`, freed after):
-      x = outputs of the previous layer, on one micro-batch (N / M rows)
+      x = outputs of the previous layer, on one micro-batch (N / M rows,
+          as a stage runs it: small matmuls run below peak)
       trace  F(x) = FProp(theta, *x)  and  FB(x) = F + gradient of the float
              outputs (fed ones) w.r.t. theta and the float inputs, under
              tf.function, in a training fprop_context
-      warm up, then time E, F and FB in turn `repeats` times, where E is
-             an empty call (dispatch overhead, paid once per stage call in
+      warm up, then time E, F and FB in turn `repeats` times (each
+             sample averages enough calls to last ~2 ms), where E is an
+             empty call (dispatch overhead, paid once per stage call in
              the engine, not once per layer)
       forward = max(0, median(F) - median(E))
       backward = max(0, median(FB) - median(F))
 
-`clock='cpu'` times by this process's CPU time: on a CPU host shared with
-other work, their load stretches wall time but not our CPU time (median of
-15 calls of one op on a busy 2-core machine: 4.1–4.4 ms by CPU time,
-4.9–8.2 ms by wall time). It equals wall time only with single-threaded TF
-pools, as stage worker processes have, and misses accelerator time.
-
-One micro-batch, as a stage runs it: small matmuls run far below peak, so
-the whole batch's time ÷ M would misjudge small micro-batches.
+`clock='cpu'` times by this process's CPU time: on a shared CPU host,
+others' load stretches wall time, not our CPU time (one op, busy 2-core
+machine: medians 4.1–4.4 ms by CPU time, 4.9–8.2 ms by wall time). It
+equals wall time only with single-threaded TF pools (as stage workers have)
+and misses accelerator time.
 
 Left out: the recompute pass (with recompute a stage costs ~2·forward +
 backward; costs stay balanced unless layers' forward/backward ratios differ
@@ -187,17 +185,20 @@ def _bodies(layer: Any, cfg: _Settings
 
 
 def _seconds(fn: Callable[..., Any], args: tuple[Any, ...],
-             clock: Callable[[], float]) -> float:
+             clock: Callable[[], float], calls: int = 1) -> float:
+  """Seconds per call, averaged over `calls` back-to-back calls."""
   start = clock()
-  fn(*args)
+  for _ in range(calls):
+    fn(*args)
   tf.test.experimental.sync_devices()  # Accelerators run asynchronously.
-  return clock() - start
+  return (clock() - start) / calls
 
 
 def _profile_one(layer: Any, name: str, x: tuple[Any, ...],
                  cfg: _Settings) -> tuple[LayerProfile, tuple[Any, ...]]:
   """Times one built layer on x; returns its profile and its outputs."""
   forward, forward_backward = _bodies(layer, cfg)
+  clock = CLOCKS[cfg.clock]
   # The cost of a call that computes nothing: Python and runtime dispatch,
   # paid once per stage call in the engine, not once per layer.
   empty = tf.function(lambda x, step, m: tf.nest.map_structure(tf.identity, x),
@@ -208,10 +209,12 @@ def _profile_one(layer: Any, name: str, x: tuple[Any, ...],
   fns = (empty, forward, forward_backward)
   for fn in fns[::2] + fns * cfg.warmup:
     fn(*args)
+  # Calls per sample: ~2 ms' worth, so that jitter averages out.
+  calls = min(100, 1 + int(2e-3 / _seconds(forward_backward, args, clock)))
   times: list[list[float]] = [[], [], []]
   for _ in range(cfg.repeats):  # Alternated: noise hits all three alike.
     for fn, t in zip(fns, times):
-      t.append(_seconds(fn, args, CLOCKS[cfg.clock]))
+      t.append(_seconds(fn, args, clock, calls))
   e, f, fb = (statistics.median(t) for t in times)
   y = y if isinstance(y, tuple) else (y,)
   return LayerProfile(

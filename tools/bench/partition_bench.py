@@ -34,12 +34,12 @@ import statistics
 import sys
 from typing import Any
 
-import tensorflow as tf  # pylint: disable=g-import-not-at-top
-
 if __name__ == '__main__':
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(
       __file__))))
   os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
+
+import tensorflow as tf  # pylint: disable=g-import-not-at-top
 
 from bench import common  # pylint: disable=g-import-not-at-top
 from bench import report  # pylint: disable=g-import-not-at-top
