@@ -72,14 +72,20 @@ class PipeliningLayer(base_layer.BaseLayer):
     p.Define('num_stages', 1, 'K: devices; stage s runs on devices[s mod K].')
     p.Define('split_points', None, 'Optional K·v−1 increasing layer indices '
              'where stages 1.. start; overrides the partitioner.')
-    p.Define('costs', None, 'Optional per-layer costs for the partitioner '
-             '(e.g. measured seconds); None: FPropMeta flops with '
-             'input_shapes, else parameter counts.')
+    p.Define('costs', None, 'Per-layer costs for the partitioner: a list '
+             '(e.g. measured seconds), \'profile\' (measure each layer\'s '
+             'forward + backward now, PipeDream-style), or None: FPropMeta '
+             'flops with input_shapes, else parameter counts.')
     p.Define('input_shapes', None, 'Shapes of the first layer\'s positional '
              'inputs for one mini-batch, e.g. [[64, 28, 28, 1]]; FPropMeta '
              'costs, shape checks and the simulator need them.')
+    p.Define('input_dtypes', None, 'Dtypes of those inputs (e.g. '
+             '[\'int32\'] for token ids), for costs=\'profile\'; None = '
+             'float32.')
     p.Define('num_micro_batches', 1, 'M: micro-batches per mini-batch; '
-             'M ≥ 4·K keeps the bubble (K−1)/(M+K−1) small.')
+             'M ≥ 4·K keeps the bubble (K−1)/(M+K−1) small. \'auto\': the '
+             'largest micro-batch that fits memory_budget_bytes (M ≥ 4·K '
+             'when possible).')
     p.Define('micro_batch_size', None, 'Alternative to num_micro_batches: '
              'examples per micro-batch (M = N / micro_batch_size).')
     p.Define('recompute', 'always', 'always: keep only stage inputs and '
@@ -92,6 +98,13 @@ class PipeliningLayer(base_layer.BaseLayer):
              'loss in the pipeline (FPropLoss).')
     p.Define('virtual_stages_per_device', 2, 'v, with schedule='
              '\'interleaved\': each device holds v non-adjacent stages.')
+    p.Define('memory_budget_bytes', None, 'Bytes one device may use: the '
+             'memory preflight (FPropMeta bytes, the schedule, optimizer '
+             'slots) refuses a config over it before the first step; needed '
+             'by num_micro_batches=\'auto\'.')
+    p.Define('memory_optimizer', None, 'The optimizer whose slots the '
+             'preflight counts (sgd, adam, rmsprop; None: no slots); '
+             'PipelinedTask sets it from task.train.optimizer.')
     p.Define('devices', None, 'Device of each stage, e.g. ["/GPU:0", '
              '"/GPU:1"] or "/job:worker/task:1/device:CPU:0"; None = local '
              'accelerators, else logical CPU devices.')

@@ -46,21 +46,41 @@ class PipelinedTask(base_model.BaseTask):
     return p.pipeline.Copy()
 
   @classmethod
-  def InspectParams(cls, p: Params) -> str:
-    """`Inspect()` from Params alone: no devices, no variables."""
+  def _Pipeline(cls, p: Params, where: str) -> InstantiableParams:
+    pipeline = cls.PipelineParams(p, where)
+    if pipeline.memory_optimizer is None:  # The preflight counts its slots.
+      pipeline.memory_optimizer = p.train.optimizer
+    return pipeline
+
+  @classmethod
+  def InspectParams(cls, p: Params, profile_inputs: Any = None) -> str:
+    """`Inspect()` from Params alone: no devices, no variables.
+
+    With `profile_inputs` (a batch's PipelineInputs), each layer is also
+    profiled and the report shows the partition by measured time, with
+    FPropMeta flops beside it, then the FPropMeta partition.
+    """
     where = f'{p.name or "task"}.pipeline'
-    return plan_lib.make_plan(cls.PipelineParams(p, where), where).to_text()
+    pipeline = cls._Pipeline(p, where)
+    text = plan_lib.make_plan(pipeline, where).to_text()
+    if profile_inputs is not None:
+      profiled = pipeline.Copy().Set(costs='profile')
+      text = (plan_lib.make_plan(profiled, where, profile_inputs).to_text()
+              + '\n\nWithout profiling (the configured costs):\n' + text)
+    return text
 
   def __init__(self, params: InstantiableParams) -> None:
     super().__init__(params)
-    self.CreateChild('pipeline', self.PipelineParams(
+    self.CreateChild('pipeline', self._Pipeline(
         self.params, f'{self.path}.pipeline'))
 
-  def PipelineInputs(self, batch: NestedMap) -> tuple[Any, ...]:
+  @classmethod
+  def PipelineInputs(cls, batch: NestedMap) -> tuple[Any, ...]:
     """The pipeline's positional inputs, from the batch."""
     raise NotImplementedError(f'{type(self).__name__}.PipelineInputs')
 
-  def LossInputs(self, batch: NestedMap) -> NestedMap:
+  @classmethod
+  def LossInputs(cls, batch: NestedMap) -> NestedMap:
     """The batch fields ComputeLoss reads (each with the batch dim)."""
     raise NotImplementedError(f'{type(self).__name__}.LossInputs')
 

@@ -140,8 +140,9 @@ def predict(metas: Sequence[Any], boundaries: Sequence[int],
             num_micro_batches: int, *, input_bytes: float,
             schedule: str = 'gpipe', recompute: str = 'always',
             optimizer: str | None = 'sgd',
-            whole_batch_io: bool = True) -> MemoryPrediction:
-  """Each stage's predicted peak bytes for one training step.
+            whole_batch_io: bool = True,
+            num_chunks: int = 1) -> MemoryPrediction:
+  """Each stage's (device's) predicted peak bytes for one training step.
 
   Args:
     metas: one FPropMeta result per layer (`param_bytes`, and `out_bytes`
@@ -154,6 +155,9 @@ def predict(metas: Sequence[Any], boundaries: Sequence[int],
     optimizer: 'sgd', 'adam', 'rmsprop', or None (no slots).
     whole_batch_io: True for the FProp form (see the module doc); False
       when the loss runs inside the pipeline, micro-batch by micro-batch.
+    num_chunks: virtual stages per device (schedule='interleaved'): the
+      boundaries then cut K × num_chunks stages, stage s on device s mod K,
+      and the prediction is per device.
 
   Raises:
     PreflightError: bad optimizer, boundaries, M, schedule or recompute.
@@ -175,23 +179,27 @@ def predict(metas: Sequence[Any], boundaries: Sequence[int],
       costs[0] = dataclasses.replace(costs[0], boundary_bytes=0.0)
     sim = simulator.simulate(stages=costs,
                              num_micro_batches=num_micro_batches,
-                             recompute=recompute, schedule=schedule)
+                             recompute=recompute, schedule=schedule,
+                             num_chunks=num_chunks)
   except (partitioner.PartitionError, simulator.SimulationError) as e:
     raise PreflightError(str(e)) from e
   slots = OPTIMIZER_SLOTS.get(optimizer or '', 0)
   m, out = num_micro_batches, []
-  for k, cost in enumerate(costs):
-    a, b = bounds[k], bounds[k + 1]
-    stage_in = input_bytes if a == 0 else metas[a - 1].out_bytes
-    largest = max([stage_in] + [x.out_bytes for x in metas[a:b]]) / m
+  num_devices = len(costs) // num_chunks
+  for d in range(num_devices):
+    mine = range(d, len(costs), num_devices)  # The device's stages.
+    largest = max(
+        max([input_bytes if bounds[s] == 0 else metas[bounds[s] - 1].out_bytes]
+            + [x.out_bytes for x in metas[bounds[s]:bounds[s + 1]]])
+        for s in mine) / m
     io = 0.0
     if whole_batch_io:
-      io += input_bytes if k == 0 else 0.0
-      io += 2.0 * metas[-1].out_bytes if k == len(costs) - 1 else 0.0
-    p = cost.param_bytes
+      io += input_bytes if 0 in mine else 0.0
+      io += 2.0 * metas[-1].out_bytes if len(costs) - 1 in mine else 0.0
+    p = sum(costs[s].param_bytes for s in mine)
     out.append(StageMemory(
         parameters=p, gradients=p, optimizer_slots=slots * p,
-        activations=sim.peak_activation_bytes[k],
+        activations=sim.peak_activation_bytes[d],
         workspace=2 * largest + (p if m > 1 else 0.0), io=io))
   return MemoryPrediction(tuple(out), m, schedule, recompute, optimizer)
 
@@ -277,7 +285,7 @@ def choose_micro_batches(metas: Sequence[Any], boundaries: Sequence[int],
   if isinstance(batch_size, bool) or not isinstance(batch_size, int) or (
       batch_size < 1):
     raise PreflightError(f'batch_size={batch_size!r} must be an int ≥ 1.')
-  num_stages = len(boundaries) - 1
+  num_stages = (len(boundaries) - 1) // kwargs.get('num_chunks', 1)
   preds = [predict(metas, boundaries, m, **kwargs)
            for m in range(1, batch_size + 1) if batch_size % m == 0]
   fits = [p.num_micro_batches for p in preds if p.peak <= budget_bytes]

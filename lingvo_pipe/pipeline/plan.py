@@ -4,13 +4,17 @@ Planning needs no devices and no variables, so `--mode=inspect_params`
 prints the partition of a paper-sized config (8 stages of AmoebaNet-D(18,
 256)) on a laptop. A plan is:
 
-    costs       per layer: FPropMeta flops if p.input_shapes is set, else
-                p.costs, else parameter counts (DeepSpeed's default);
+    costs       per layer: p.costs if given ('profile': measured forward +
+                backward seconds of each layer, PipeDream's profiling
+                pass), else FPropMeta flops if p.input_shapes is set, else
+                parameter counts (DeepSpeed's default);
     boundaries  the exact min-max cut into K·v (virtual) stages, or
                 p.split_points;
     schedule    `schedule.make_schedule(p.schedule, K, M, p.recompute, v)`,
                 with M from `num_micro_batches` — the one place that reads
-                p.num_micro_batches and p.micro_batch_size.
+                p.num_micro_batches and p.micro_batch_size, checks the
+                memory preflight (p.memory_budget_bytes) and picks M for
+                num_micro_batches='auto' (memory.py).
 """
 
 from __future__ import annotations
@@ -22,8 +26,10 @@ from typing import Any
 import tensorflow as tf
 
 from lingvo_pipe.core import base_layer
+from lingvo_pipe.pipeline import memory
 from lingvo_pipe.pipeline import microbatch
 from lingvo_pipe.pipeline import partitioner
+from lingvo_pipe.pipeline import profile
 from lingvo_pipe.pipeline import schedule as schedule_lib
 from lingvo_pipe.pipeline import simulator
 
@@ -132,16 +138,73 @@ class Plan:
   def num_micro_batches(self, batch_size: Any = None) -> int | None:
     """M for `batch_size` (default: input_shapes'), checked; None if unknown.
 
-    The one reader of p.num_micro_batches and p.micro_batch_size.
+    The one reader of p.num_micro_batches and p.micro_batch_size; with
+    p.memory_budget_bytes it also checks (or, for 'auto', chooses) M
+    against the memory preflight.
     """
     p = self.params
     n = batch_size if batch_size is not None else self.batch_size()
-    if n is None and p.micro_batch_size is not None:
-      return None
-    if n is None:
+    auto = p.num_micro_batches == 'auto'
+    if n is None or not isinstance(n, int):
+      if p.micro_batch_size is not None or auto:
+        return None
       return p.num_micro_batches
-    return microbatch.num_micro_batches(n, p.num_micro_batches,
-                                        p.micro_batch_size, self.where)
+    if auto:
+      return self._preflight(n, None)
+    m = microbatch.num_micro_batches(n, p.num_micro_batches,
+                                     p.micro_batch_size, self.where)
+    if p.memory_budget_bytes is not None:
+      self._preflight(n, m)
+    return m
+
+  def _preflight(self, batch_size: int, num_micro_batches: int | None) -> int:
+    """Checks M against p.memory_budget_bytes, or chooses it (None)."""
+    p = self.params
+    if p.memory_budget_bytes is None or p.input_shapes is None:
+      raise PlanError(
+          f"{self.where}: num_micro_batches='auto' picks M from a memory "
+          'budget: set p.memory_budget_bytes and p.input_shapes.')
+    metas = self.metas_for(batch_size)
+    kwargs = dict(input_bytes=self.input_bytes(batch_size),
+                  schedule=p.schedule, recompute=p.recompute,
+                  optimizer=p.memory_optimizer,
+                  whole_batch_io=p.schedule == 'gpipe',
+                  num_chunks=self.num_chunks)
+    try:
+      if num_micro_batches is None:
+        return memory.choose_micro_batches(
+            metas, list(self.boundaries), batch_size, p.memory_budget_bytes,
+            **kwargs)
+      memory.check_budget(metas, list(self.boundaries), num_micro_batches,
+                          p.memory_budget_bytes, **kwargs)
+    except memory.PreflightError as e:
+      raise PlanError(f'{self.where}: {e}') from None
+    return num_micro_batches
+
+  def _shapes_for(self, batch_size: int | None) -> Any:
+    """p.input_shapes with the batch dimension set to `batch_size`."""
+    p = self.params
+    shapes = base_layer.as_shape(tuple(p.input_shapes))
+    if batch_size is None:
+      return shapes
+
+    def _set(s: tf.TensorShape) -> tf.TensorShape:
+      dims = s.as_list()
+      dims[p.batch_dim] = batch_size
+      return tf.TensorShape(dims)
+    return tf.nest.map_structure(_set, shapes)
+
+  def metas_for(self, batch_size: int) -> list[base_layer.LayerMeta]:
+    """FPropMeta of every layer at this batch size."""
+    if batch_size == self.batch_size() and self.metas is not None:
+      return list(self.metas)
+    return layer_metas(list(self.params.layers), self._shapes_for(batch_size),
+                       self.where)
+
+  def input_bytes(self, batch_size: int | None = None) -> int:
+    """Bytes of the first layer's inputs for one mini-batch."""
+    return base_layer.LayerMeta.build(
+        self.params, 0, self._shapes_for(batch_size), 0).out_bytes
 
   def schedule(self, num_micro_batches: int) -> schedule_lib.Schedule:
     p = self.params
@@ -151,17 +214,22 @@ class Plan:
 
   def simulate(self, flops_per_second: float = 1e11,
                schedule: str | None = None) -> simulator.SimResult:
-    """The predicted step (needs p.input_shapes: FPropMeta bytes, flops)."""
+    """The predicted step (needs p.input_shapes: FPropMeta bytes, flops).
+
+    Op times come from FPropMeta flops at `flops_per_second`, or, when the
+    costs are measured seconds (costs='profile'), from those.
+    """
     p = self.params
     m = self.num_micro_batches()
     if self.metas is None or m is None:
       raise PlanError(f'{self.where}: set p.input_shapes (with the batch '
                       'size) to simulate a step.')
-    input_bytes = base_layer.LayerMeta.build(
-        p, 0, base_layer.as_shape(tuple(p.input_shapes)), 0).out_bytes
+    work = [float(x.flops) for x in self.metas]
+    if self.cost_unit == 'seconds':  # Forward + backward of a micro-batch.
+      work, flops_per_second = [c * m / 3 for c in self.costs], 1.0
     costs = simulator.stage_costs_from_layers(
-        [x.flops for x in self.metas], [x.out_bytes for x in self.metas],
-        [x.param_bytes for x in self.metas], input_bytes,
+        work, [x.out_bytes for x in self.metas],
+        [x.param_bytes for x in self.metas], self.input_bytes(),
         list(self.boundaries), m, flops_per_second)
     return simulator.simulate(costs, m, p.recompute, schedule or p.schedule,
                               num_chunks=self.num_chunks)
@@ -176,17 +244,50 @@ class Plan:
     if self.cost_unit == 'parameters':
       lines.append('costs: parameter counts (no input_shapes or costs were '
                    'given; set p.input_shapes for FPropMeta flops)')
+    if self.cost_unit == 'seconds':
+      lines.append('costs: measured forward + backward seconds per layer '
+                   "(p.costs='profile'), one micro-batch each")
     if self.metas is not None and m is not None:
-      lines.append('Predicted step (1e11 flop/s per device, backward = 2 × '
-                   'forward):\n' + self.simulate().to_text())
+      speed = ('measured layer times' if self.cost_unit == 'seconds' else
+               '1e11 flop/s per device')
+      lines.append(f'Predicted step ({speed}, backward = 2 × forward):\n' +
+                   self.simulate().to_text())
     elif m is None:
       lines.append('M is unknown until the batch size is: set the batch '
                    'dimension of p.input_shapes.')
     return '\n'.join(lines)
 
 
-def make_plan(p: Any, where: str) -> Plan:
-  """The plan of PipeliningLayer Params `p` (no devices, no variables)."""
+def _profiled_costs(p: Any, layers: list[Any], where: str,
+                    inputs: Any) -> list[float]:
+  """p.costs='profile': each layer's measured seconds (profile.py)."""
+  if inputs is None:
+    if p.input_shapes is None:
+      raise PlanError(f"{where}: costs='profile' runs each layer on inputs "
+                      'of p.input_shapes (and p.input_dtypes): set them.')
+    inputs = profile.synthetic_inputs(p.input_shapes, p.input_dtypes)
+  m = p.num_micro_batches if isinstance(p.num_micro_batches, int) else 1
+  if p.micro_batch_size is not None:
+    n = tf.nest.flatten(inputs)[0].shape[p.batch_dim]
+    m = max(1, n // p.micro_batch_size)
+  try:
+    profiles = profile.profile_layers(layers, tuple(inputs), m,
+                                      batch_dim=p.batch_dim)
+  except (profile.ProfileError, microbatch.MicroBatchError) as e:
+    raise PlanError(f'{where}: {e}') from None
+  return profile.costs_from_profiles(profiles)
+
+
+def make_plan(p: Any, where: str, profile_inputs: Any = None) -> Plan:
+  """The plan of PipeliningLayer Params `p` (no variables; no devices
+  unless p.costs='profile', which runs each layer once on one device).
+
+  Args:
+    p: PipeliningLayer Params.
+    where: the layer path, for messages.
+    profile_inputs: with p.costs='profile', a real mini-batch to profile on
+      (else inputs of p.input_shapes and p.input_dtypes).
+  """
   layers = check_layers(p.layers, where)
   if p.recompute not in schedule_lib.RECOMPUTE_POLICIES:
     raise PlanError(f'{where}: recompute={p.recompute!r}; use one of '
@@ -208,7 +309,9 @@ def make_plan(p: Any, where: str) -> Plan:
         f'{len(layers)}.')
   metas = (layer_metas(layers, p.input_shapes, where)
            if p.input_shapes is not None else None)
-  if p.costs is not None:
+  if p.costs == 'profile':
+    costs, unit = _profiled_costs(p, layers, where, profile_inputs), 'seconds'
+  elif p.costs is not None:
     if len(p.costs) != len(layers):
       raise PlanError(
           f'{where}: p.costs has {len(p.costs)} entries but there are '
@@ -229,8 +332,10 @@ def make_plan(p: Any, where: str) -> Plan:
   except partitioner.PartitionError as e:
     raise PlanError(f'{where}: {e}') from None
   names = layer_names(layers)
+  flops = ([float(x.flops) for x in metas]
+           if metas is not None and unit != 'flops' else None)
   report = partitioner.make_report(
       costs, bounds, layer_names=[f'{i}:{n}' for i, n in enumerate(names)],
-      cost_unit=unit)
+      cost_unit=unit, second_costs=flops, second_cost_unit='flops')
   return Plan(where, tuple(names), None if metas is None else tuple(metas),
               tuple(costs), unit, tuple(bounds), k, chunks, report, p)

@@ -157,7 +157,7 @@ def _bodies(layer: Any, cfg: _Settings
     collector = StatsCollector()
     with fprop_context.scope(training=True, step=step, micro_batch_index=m,
                              num_micro_batches=cfg.num_micro_batches,
-                             batch_dim=cfg.batch_dim, stats=collector):
+                             batch_axis=cfg.batch_dim, stats=collector):
       y = layer.FProp(layer.theta, *x)
     return y, collector.stats
 

@@ -47,10 +47,12 @@ class ImageClassifierTask(pipelined_task.PipelinedTask):
     empty; input_shapes None means [[None, H, W, C]])."""
     return pipeline_params(p, where)
 
-  def PipelineInputs(self, batch: NestedMap) -> tuple[tf.Tensor]:
+  @classmethod
+  def PipelineInputs(cls, batch: NestedMap) -> tuple[tf.Tensor]:
     return (batch.image,)  # → logits [N, num_classes].
 
-  def LossInputs(self, batch: NestedMap) -> NestedMap:
+  @classmethod
+  def LossInputs(cls, batch: NestedMap) -> NestedMap:
     return NestedMap(label=batch.label)
 
   def ComputeLoss(self, theta: NestedMap, predictions: tf.Tensor,

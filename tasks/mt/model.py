@@ -130,11 +130,13 @@ class TranslationTask(pipelined_task.PipelinedTask):
     self._decoder = decoder.PipelineDecoder(self.children.pipeline)
 
   # ---- Training -------------------------------------------------------------
-  def PipelineInputs(self, batch: NestedMap) -> tuple[tf.Tensor, ...]:
+  @classmethod
+  def PipelineInputs(cls, batch: NestedMap) -> tuple[tf.Tensor, ...]:
     """→ logits [B, T, V] of the teacher-forced decoder."""
     return pipeline_inputs(batch)
 
-  def LossInputs(self, batch: NestedMap) -> NestedMap:
+  @classmethod
+  def LossInputs(cls, batch: NestedMap) -> NestedMap:
     return NestedMap(tgt_paddings=batch.tgt_paddings,
                      tgt_labels=batch.tgt_labels)
 

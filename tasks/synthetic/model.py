@@ -42,10 +42,12 @@ class RegressionTask(pipelined_task.PipelinedTask):
   squared error) and `mean_abs_error`, each weighted by the batch size.
   """
 
-  def PipelineInputs(self, batch: NestedMap) -> tuple[tf.Tensor]:
+  @classmethod
+  def PipelineInputs(cls, batch: NestedMap) -> tuple[tf.Tensor]:
     return (batch.x,)
 
-  def LossInputs(self, batch: NestedMap) -> NestedMap:
+  @classmethod
+  def LossInputs(cls, batch: NestedMap) -> NestedMap:
     return NestedMap(y=batch.y)
 
   def ComputeLoss(self, theta: NestedMap, predictions: tf.Tensor,
