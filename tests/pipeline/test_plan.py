@@ -35,7 +35,7 @@ def test_profile_costs_cut_by_measured_time():
   p = _fc(widths, batch=64, num_stages=2, costs='profile')
   plan = plan_lib.make_plan(p, 'net')
   assert plan.cost_unit == 'seconds' and len(plan.costs) == 7
-  assert all(c > 0 for c in plan.costs)
+  assert all(c >= 0 for c in plan.costs)  # Tiny layers may round to 0.
   assert min(plan.costs[0], plan.costs[6]) > sum(plan.costs[2:5])
   assert 1 <= plan.boundaries[1] <= 6  # fc0 and fc6 in different stages.
   text = plan.to_text()
