@@ -125,8 +125,9 @@ class Peers:
 
     Returns:
       A token (a bool scalar) that is ready once `to_task` has received
-      everything; None in eager mode, where the send has then completed. The sends run even
-      if nobody uses it; see the module docstring before ordering on it.
+      everything; None in eager mode, where the send has then completed.
+      The sends run even if nobody uses it; see the module docstring
+      before ordering anything on it.
     """
     self._check_peer(to_task, 'send', key)
     ops = []

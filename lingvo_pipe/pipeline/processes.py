@@ -40,6 +40,10 @@ import os
 import re
 from typing import Any, Mapping, Sequence
 
+import tensorflow as tf
+from tensorflow.core.protobuf import tensorflow_server_pb2
+from tensorflow.python.eager import context
+
 from lingvo_pipe.pipeline import collective
 from lingvo_pipe.pipeline import watchdog as watchdog_lib
 from lingvo_pipe.pipeline.cluster import ClusterError
@@ -212,7 +216,7 @@ class Runtime:
       raise
 
 
-# ---- Helpers ------------------------------------------------------------------
+# ---- Helpers -----------------------------------------------------------------
 _SPEC_JOB = re.compile(r'^(\w+)=(.+)$')
 
 
@@ -244,7 +248,6 @@ def _parse_tf_config(text: str) -> tuple[dict[str, list[str]], str, int]:
 def _configure_threads() -> None:
   """Intra-op threads = the cores this process may use; a few more inter-op
   threads so collectives and compute of one stage interleave."""
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
   ncores = len(os.sched_getaffinity(0))
   if ncores >= (os.cpu_count() or 1):
     return  # Not pinned: TensorFlow's defaults.
@@ -261,15 +264,11 @@ _TOO_LATE = ('processes.start() came after TensorFlow\'s runtime started '
 
 
 def _device_type() -> str:
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
   return 'GPU' if tf.config.list_physical_devices('GPU') else 'CPU'
 
 
 def _start_server(config: ClusterConfig) -> None:
   """This task's TF server, with collectives led by task 0."""
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  from tensorflow.core.protobuf import tensorflow_server_pb2  # pylint: disable=g-import-not-at-top
-  from tensorflow.python.eager import context  # pylint: disable=g-import-not-at-top
   ctx = context.context()
   if ctx._context_handle is not None:  # pylint: disable=protected-access
     raise ClusterError(_TOO_LATE.format('its context exists'))

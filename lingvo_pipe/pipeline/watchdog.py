@@ -27,6 +27,9 @@ import threading
 import time
 from typing import Any
 
+import tensorflow as tf
+from tensorflow.python.eager import context
+
 from lingvo_pipe.pipeline import collective
 
 EXIT_PEER_GONE = 75  # EX_TEMPFAIL: restart the run.
@@ -59,8 +62,6 @@ class Watchdog:
 
   def probe(self, task: int, timeout_s: float) -> str | None:
     """None if `task` answers within `timeout_s`, else why not."""
-    import tensorflow as tf  # pylint: disable=g-import-not-at-top
-    from tensorflow.python.eager import context  # pylint: disable=g-import-not-at-top
     name = f'/job:{self._peers.job}/replica:0/task:{task}'
     try:
       context.context().check_collective_ops_peer_health(
