@@ -8,6 +8,10 @@ Scenarios (each prints `READY` once started, results as `RESULT <json>`):
     steps: each task sends a nest (float, int, None leaves) forward and a
     "gradient" back; then an all-reduce (sum and mean) over all tasks and a
     barrier that carries the last task's loss to everyone.
+  one_f_one_b: 1F1B order on 4 micro-batches (forwards and backwards
+    interleaved), each recv posted behind the previous op of its task and
+    no op waiting on a send: the pattern that deadlocks if sends are
+    ordered like the other ops (each task would wait on the other's recv).
   mismatch: task 0 waits for key ('F', 0, 0), task 1 sends ('F', 0, 1).
   steps: a barrier every 0.1 s for ever (to be killed); on SIGTERM it
     prints `SIGTERM <task>` and exits 0.
@@ -77,6 +81,43 @@ def _chain(peers) -> None:
         'mean': mean[0].numpy().tolist(), 'shared': shared.numpy().tolist()}))
 
 
+def _one_f_one_b(peers, num_micro_batches=4) -> None:
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  s, k = peers.task, peers.num_tasks
+  spec = tf.TensorSpec([2], tf.float32)
+  warmup = k - s - 1
+  order = [('F', m) for m in range(warmup)]
+  for m in range(num_micro_batches):
+    if warmup + m < num_micro_batches:
+      order.append(('F', warmup + m))
+    order.append(('B', m))
+
+  @tf.function
+  def step():
+    prev, tokens, acts, grads = [], [], {}, []
+    for kind, m in order:
+      if kind == 'F':
+        x = (tf.fill([2], float(m)) if s == 0 else
+             peers.recv(spec, s - 1, ('F', s - 1, m), after=prev))
+        acts[m] = x + 1.0
+        prev = [acts[m]]
+        if s < k - 1:
+          tokens.append(peers.send(acts[m], s + 1, ('F', s, m)))
+      else:
+        g = (acts[m] if s == k - 1 else
+             peers.recv(spec, s + 1, ('B', s + 1, m), after=prev))
+        g = g * 2.0
+        prev = [g]
+        grads.append(g[0])
+        if s > 0:
+          tokens.append(peers.send(g, s - 1, ('B', s, m)))
+    peers.barrier(after=tokens + prev)
+    return tf.stack(grads)
+
+  for _ in range(2):
+    _say('RESULT', json.dumps({'grads': step().numpy().tolist()}))
+
+
 def _mismatch(peers) -> None:
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
 
@@ -104,6 +145,8 @@ def main(argv) -> None:
     scenario = _SCENARIO.value
     if scenario == 'chain':
       _chain(peers)
+    elif scenario == 'one_f_one_b':
+      _one_f_one_b(peers)
     elif scenario == 'mismatch':
       _mismatch(peers)
     elif scenario == 'steps':

@@ -1,10 +1,13 @@
 """Tests of lingvo_pipe.launch: start, log prefixes, stop by PID, signals.
 
-The launched tasks are the stand-in tests/pipeline/runtime_worker.py. Each
+The launched tasks are the stand-in tests/pipeline/runtime_worker.py; the
+run to the end is a 1F1B exchange (sends never ordered before later ops),
+which would deadlock if the runtime's sends were ordered like ops. Each
 test kills every process it started (launcher and tasks, by PID) even when
 it fails.
 """
 
+import json
 import os
 import re
 import signal
@@ -40,16 +43,19 @@ def tasks(tmp_path):
           os.kill(pid, signal.SIGKILL)
 
 
-def test_two_tasks_run_to_the_end_with_prefixed_logs():
+def test_two_tasks_run_1f1b_to_the_end_with_prefixed_logs():
   run = subprocess.run(
       [sys.executable] + _launch_args('--num_stages=2', '--',
-                                      '--scenario=chain'),
+                                      '--scenario=one_f_one_b'),
       capture_output=True, text=True, timeout=TIMEOUT_S, env=env(), cwd=ROOT)
   assert run.returncode == 0, run.stderr[-3000:]
+  # Micro-batch m: x = m + 1 (task 0), + 1 (task 1); ×2 per backward hop.
+  expected = {1: [2.0 * (m + 2) for m in range(4)],
+              0: [4.0 * (m + 2) for m in range(4)]}
   for task in (0, 1):
+    results = re.findall(rf'^\[task {task}\] RESULT (.*)$', run.stdout, re.M)
+    assert [json.loads(r)['grads'] for r in results] == [expected[task]] * 2
     assert f'[task {task}] DONE {task}' in run.stdout
-    assert len(re.findall(rf'^\[task {task}\] RESULT ', run.stdout,
-                          re.M)) == 2
   assert re.search(r'2 stage\(s\) × 1 replica\(s\): tasks 0..1 on '
                    r'127.0.0.1:\d+, 127.0.0.1:\d+', run.stderr)
 
