@@ -76,6 +76,13 @@ class CollectiveError(RuntimeError):
 class Peers:
   """This process's place in the run, and the collectives between tasks.
 
+  `processes.start` makes it for a run of several processes. On one process
+  (no cluster) reductions are identities, so the engine's code is the same:
+
+  >>> peers = Peers.local()
+  >>> peers.all_reduce({'w': tf.ones([2])}, [0], ('grads', 0))['w'].numpy()
+  array([1., 1.], dtype=float32)
+
   Attributes:
     task: this process's index in `addresses`.
     addresses: 'host:port' of every task of the job, in task order.
@@ -237,7 +244,7 @@ class Peers:
     the last stage passes [loss, finite], the others zeros.
 
     Returns:
-      The summed `values`, or a float32 zero if `values` is None.
+      The summed `values`, or a float32 [0.] if `values` is None.
     """
     if values is None:
       values = tf.zeros([1], tf.float32)

@@ -40,6 +40,7 @@ import os
 import re
 from typing import Any, Mapping, Sequence
 
+from absl import flags
 import tensorflow as tf
 from tensorflow.core.protobuf import tensorflow_server_pb2
 from tensorflow.python.eager import context
@@ -152,7 +153,6 @@ def define_flags() -> None:
   """Defines the cluster flags of a worker binary (absl); call it once, at
   the binary's top level: --cluster_spec, --job, --task,
   --collective_timeout_secs, --peer_timeout_secs."""
-  from absl import flags  # pylint: disable=g-import-not-at-top
   flags.DEFINE_string('cluster_spec', '', 'The run\'s tasks, Lingvo style: '
                       '"worker=host:port,host:port"; empty: TF_CONFIG, or '
                       'one process.')
@@ -168,7 +168,6 @@ def define_flags() -> None:
 
 def start_from_flags(**kwargs: Any) -> 'Runtime':
   """`start` with the flags of `define_flags` (after absl parsed them)."""
-  from absl import flags  # pylint: disable=g-import-not-at-top
   f = flags.FLAGS
   config = cluster_from(f.cluster_spec, f.job, f.task)
   return start(config, collective_timeout_s=f.collective_timeout_secs,
@@ -218,6 +217,7 @@ class Runtime:
 
 # ---- Helpers -----------------------------------------------------------------
 _SPEC_JOB = re.compile(r'^(\w+)=(.+)$')
+_ADDRESS = re.compile(r'(\[[0-9a-fA-F:.]+\]|[^\s:\[\]]+):\d+')  # IPv6 in [].
 
 
 def _parse_spec(spec: str) -> dict[str, list[str]]:
@@ -225,7 +225,7 @@ def _parse_spec(spec: str) -> dict[str, list[str]]:
   for part in spec.split('@'):
     m = _SPEC_JOB.match(part.strip())
     addresses = [a.strip() for a in m[2].split(',')] if m else []
-    if not m or not all(re.fullmatch(r'[^\s:]+:\d+', a) for a in addresses):
+    if not m or not all(_ADDRESS.fullmatch(a) for a in addresses):
       raise ClusterError(
           f'--cluster_spec={spec}: cannot read {part!r}; write '
           '"worker=host:port,host:port" (jobs joined by "@").')

@@ -52,10 +52,18 @@ def test_sender_and_receiver_derive_the_same_keys():
 
 
 def test_a_send_runs_even_if_its_token_is_not_used():
-  graph = _trace(lambda: _peers(0).send(tf.ones([2]), 1, ('F', 0))).graph
-  send = [op for op in graph.get_operations()
-          if op.type == 'CollectiveBcastSendV2']
-  assert send and send[0].get_attr('_independent_side_effects')
+  tokens = []
+
+  def send_two_leaves():
+    tokens.append(_peers(0).send([tf.ones([2]), tf.ones([3])], 1, ('F', 0)))
+
+  graph = _trace(send_two_leaves).graph
+  sends = [op for op in graph.get_operations()
+           if op.type == 'CollectiveBcastSendV2']
+  assert len(sends) == 2
+  assert all(op.get_attr('_independent_side_effects') for op in sends)
+  # The token waits for both.
+  assert set(sends) <= set(tokens[0].op.control_inputs)
 
 
 def test_local_peers_reduce_over_task_0_alone():
