@@ -44,6 +44,11 @@ _WORK_MS = flags.DEFINE_float('work_ms', 45.0, 'Matmul time per stage and '
                               'micro-batch, alone on a core.')
 _STEPS = flags.DEFINE_integer('steps', 3, 'Measured steps (after one '
                               'traced step).')
+_LOOKAHEAD = flags.DEFINE_integer(
+    'recv_lookahead', 0, 'A recv is posted behind the end of the op that '
+    'many ops before the previous one (0: behind the previous op, the '
+    'engine\'s back-pressure; 1: one op early, so the transfer overlaps '
+    'compute; -1: every recv at the step\'s start).')
 _REPEATS = flags.DEFINE_integer('repeats', 3, 'Driver: runs per figure.')
 _OUT = flags.DEFINE_string('out', '/tmp/probe_collective.json', 'Driver: '
                            'JSON of every repetition.')
@@ -94,25 +99,32 @@ def _pipeline(tf, peers, w, reps):
   fwd = _work(tf, w, reps)
   bwd = _work(tf, tf.transpose(w), reps)
 
+  def posted_after(ends):
+    """What a recv waits for: the end of op −1−lookahead, if any."""
+    back = _LOOKAHEAD.value + 1
+    return [] if back == 0 or len(ends) < back else [ends[-back]]
+
   @tf.function
   def step(x0):
-    stamps, prev, tokens, used = [], [], [], []
+    stamps, prev, tokens, used, ends = [], [], [], [], []
     for m in range(m_count):
       x = x0 if s == 0 else peers.recv(spec, s - 1, ('F', s - 1, m),
-                                       after=prev)
+                                       after=posted_after(ends))
       y, t0, t1 = _timed(tf, fwd, x, prev)
       used.append(y[0, 0])  # Else grappler prunes an unused op, stamps kept.
       stamps.append((t0, t1))
       prev = [t1]
+      ends.append(t1)
       if s < k - 1:
         tokens.append(peers.send(y, s + 1, ('F', s, m)))
     for m in reversed(range(m_count)):
       g = x0 if s == k - 1 else peers.recv(spec, s + 1, ('B', s + 1, m),
-                                           after=prev)
+                                           after=posted_after(ends))
       g, t0, t1 = _timed(tf, bwd, g, prev)
       used.append(g[0, 0])
       stamps.append((t0, t1))
       prev = [t1]
+      ends.append(t1)
       if s > 0:
         tokens.append(peers.send(g, s - 1, ('B', s, m)))
     peers.barrier(after=tokens + prev)
@@ -212,7 +224,8 @@ def _launch(num_stages, num_replicas, phases):
          f'--num_stages={num_stages}', f'--num_replicas={num_replicas}',
          f'--worker={os.path.abspath(__file__)}', '--',
          f'--phases={",".join(phases)}', f'--num_micro_batches={_M.value}',
-         f'--work_ms={_WORK_MS.value}', f'--steps={_STEPS.value}']
+         f'--work_ms={_WORK_MS.value}', f'--steps={_STEPS.value}',
+         f'--recv_lookahead={_LOOKAHEAD.value}']
   proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
   results = [json.loads(m) for m in re.findall(r'RESULT (.*)', proc.stdout)]
   if proc.returncode or len(results) != num_stages * num_replicas:
@@ -244,6 +257,24 @@ def overlaps(results, m_count):
         ratios.append(_both(a, b) / ((_busy(a) + _busy(b)) / 2))
       out[f'{phase} {s}-{s + 1}'] = statistics.median(ratios)
   return out
+
+
+def handoffs_ms(results, m_count):
+  """Median ms from the moment a boundary tensor is ready (its producer op
+  ended) and the consumer is free (its previous op ended) to the start of
+  the consumer's op: what a transfer costs the pipeline, whatever the load.
+  """
+  gaps = []
+  for s in range(1, len(results)):
+    for up, down in zip(results[s - 1]['pipeline'], results[s]['pipeline']):
+      a, b = up['stamps'], down['stamps']
+      for m in range(m_count):  # Forward: stage s−1 → s.
+        free = b[m - 1][1] if m else b[m][0]
+        gaps.append(b[m][0] - max(a[m][1], free))
+      for i in range(m_count, 2 * m_count):  # Backward: stage s → s−1.
+        free = a[i - 1][1] if i > m_count else a[i][0]
+        gaps.append(a[i][0] - max(b[i][1], free))
+  return 1000 * statistics.median(gaps)
 
 
 def _k2_figures(results, m_count):
@@ -284,6 +315,8 @@ def driver(unused_argv) -> None:
     per_run = [overlaps(run[k], m_count) for run in runs]
     for pair in per_run[0]:
       lines.append(_summary(f'overlap {k} {pair}', [o[pair] for o in per_run]))
+    lines.append(_summary(f'handoff {k} ms', [handoffs_ms(run[k], m_count)
+                                              for run in runs], '{:.2f}'))
   k2 = [_k2_figures(run['K2'], m_count) for run in runs]
   for key, fmt in (('C', '{:.3f}'), ('op_ms', '{:.1f}'), ('step_s', '{:.3f}'),
                    ('speedup', '{:.3f}'), ('efficiency', '{:.3f}'),
