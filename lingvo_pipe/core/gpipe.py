@@ -48,6 +48,7 @@ from lingvo_pipe.core.nested_map import NestedMap
 from lingvo_pipe.pipeline import devices as devices_lib
 from lingvo_pipe.pipeline import engine
 from lingvo_pipe.pipeline import microbatch
+from lingvo_pipe.pipeline import placement as placement_lib
 from lingvo_pipe.pipeline import plan as plan_lib
 from lingvo_pipe.pipeline import schedule as schedule_lib
 from lingvo_pipe.pipeline import simulator
@@ -58,6 +59,13 @@ layer_metas = plan_lib.layer_metas
 
 def _as_tuple(out: Any) -> tuple[Any, ...]:
   return out if isinstance(out, tuple) else (out,)
+
+
+class _RemoteLayer(base_layer.BaseLayer):
+  """Stands in for a layer that another stage process holds and runs."""
+
+  def FProp(self, theta: NestedMap, *inputs: Any) -> Any:
+    raise PipelineError(f'{self.path} runs in another stage process.')
 
 
 class PipeliningLayer(base_layer.BaseLayer):
@@ -115,6 +123,8 @@ class PipeliningLayer(base_layer.BaseLayer):
   def __init__(self, params: Any) -> None:
     super().__init__(params)
     self._plan = plan_lib.make_plan(self.params, self.path)
+    self._placement = placement_lib.Placement.current(self.params.num_stages,
+                                                      self.path)
     self._devices = self._Devices()
     self._CreateStages()
     self._schedules: dict[int, schedule_lib.Schedule] = {}
@@ -122,6 +132,9 @@ class PipeliningLayer(base_layer.BaseLayer):
   # ---- Construction --------------------------------------------------------
   def _Devices(self) -> list[str]:
     p, k = self.params, self.params.num_stages
+    if self._placement.multi_process:  # Device d runs in its own process.
+      peers = self._placement.peers
+      return [peers.task_device(self._placement.task(d)) for d in range(k)]
     if p.devices is None:
       for kind in ('GPU', 'TPU'):
         if len(tf.config.list_logical_devices(kind)) >= k:
@@ -139,10 +152,16 @@ class PipeliningLayer(base_layer.BaseLayer):
     return list(p.devices[:k])
 
   def _CreateStages(self) -> None:
+    """Builds every layer on its stage's device; with stage processes,
+    only this process's layers (the others stand in, with no variables)."""
     stage_of = np.searchsorted(self._plan.boundaries,
                                np.arange(len(self.params.layers)),
                                side='right') - 1
-    self.CreateChildren('layers', list(self.params.layers),
+    layers = [lp if self.is_local(s) else
+              _RemoteLayer.Params().Set(name=name)
+              for lp, s, name in zip(self.params.layers, stage_of,
+                                     self._plan.names)]
+    self.CreateChildren('layers', layers,
                         devices=[self.stage_device(s) for s in stage_of],
                         keys=list(self._plan.names))
 
@@ -162,6 +181,14 @@ class PipeliningLayer(base_layer.BaseLayer):
 
   def stage_device(self, stage: int) -> str:
     return self._devices[stage % len(self._devices)]
+
+  def is_local(self, stage: int) -> bool:
+    """Whether this process runs `stage` (always, in one process)."""
+    return self._placement.is_local(stage % len(self._devices))
+
+  @property
+  def placement(self) -> placement_lib.Placement:
+    return self._placement
 
   @property
   def metas(self) -> list[base_layer.LayerMeta] | None:
@@ -253,6 +280,11 @@ class PipeliningLayer(base_layer.BaseLayer):
     schedules interleave backwards with forwards and need `FPropLoss`.
     """
     stages = self._Stages(theta)
+    if self._placement.multi_process:
+      raise PipelineError(
+          f'{self.path}: FProp runs every stage in this process; with stage '
+          'processes train with FPropLoss (PipelinedTask does) and evaluate '
+          'in one process (the evaler).')
     if not fprop_context.current().training:
       x = tuple(inputs)
       for stage in stages:  # Inference: whole batch, no micro-batches.
@@ -287,12 +319,36 @@ class PipeliningLayer(base_layer.BaseLayer):
     if not fprop_context.current().training:
       return loss_fn(self.FProp(theta, *inputs), labels)
     stages = self._Stages(theta)
+    schedule = self._Schedule(inputs)
+    n = microbatch.batch_size(inputs, self.params.batch_dim, self.path)
     try:
-      return engine.run_with_loss(stages, tuple(inputs), labels, loss_fn,
-                                  self._Schedule(inputs),
-                                  self.params.batch_dim)
+      return engine.run_with_loss(
+          stages, tuple(inputs), labels, loss_fn, schedule,
+          self.params.batch_dim, self._placement,
+          lambda s: self._BoundarySpec(s, n, schedule.num_micro_batches))
     except engine.EngineError as e:
       raise PipelineError(f'{self.path}: {e}') from None
+
+  def _BoundarySpec(self, stage: int, batch_size: Any,
+                    num_micro_batches: int) -> Any:
+    """Per-micro-batch TensorSpecs of stage `stage`'s input (the outputs
+    of its previous layer; `stage` = #stages: the last layer's outputs),
+    from FPropMeta: what a stage process receives before any tensor."""
+    if not isinstance(batch_size, int) or self.params.input_shapes is None:
+      raise PipelineError(
+          f'{self.path}: stage processes exchange tensors of static shapes; '
+          'set p.input_shapes (the batch dimension may stay None) and feed '
+          'batches of a static size.')
+    metas = self._plan.metas_for(batch_size)
+    meta = metas[self._plan.boundaries[stage] - 1]
+    bd, micro = self.params.batch_dim, batch_size // num_micro_batches
+    leaves = []
+    for shape, dtype in zip(tf.nest.flatten(meta.out_shapes),
+                            meta.out_dtypes):
+      dims = shape.as_list()
+      dims[bd] = micro
+      leaves.append(tf.TensorSpec(dims, dtype))
+    return tf.nest.pack_sequence_as(meta.out_shapes, leaves)
 
   @classmethod
   def FPropMeta(cls, p: Any, *input_shapes: Any) -> base_layer.LayerMeta:

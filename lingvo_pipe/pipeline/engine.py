@@ -34,181 +34,19 @@ from typing import Any, Callable, Sequence
 import tensorflow as tf
 
 from lingvo_pipe.core import fprop_context
-from lingvo_pipe.core.fprop_context import StatsCollector
 from lingvo_pipe.pipeline import microbatch
+from lingvo_pipe.pipeline import placement as placement_lib
 from lingvo_pipe.pipeline import schedule as schedule_lib
 from lingvo_pipe.pipeline import stage_ops
-from lingvo_pipe.pipeline.stage_ops import Stage, chained, float_leaves
+from lingvo_pipe.pipeline import walker as walker_lib
+from lingvo_pipe.pipeline.stage_ops import Stage, float_leaves
 
 __all__ = ['EngineError', 'Stage', 'run', 'run_with_loss']
 
 LossFn = Callable[[Any, Any], dict[str, tuple[tf.Tensor, tf.Tensor]]]
 
 
-class EngineError(ValueError):
-  """A schedule or stage list the engine cannot run as asked."""
-
-
-def _index(m: int) -> tf.Tensor:
-  """Micro-batch index m as a tensor that Grappler will not constant-fold.
-
-  A constant argument makes Grappler specialise the called stage function
-  per value — M optimised copies of every stage body, which made the first
-  call of a K=1, M=8 Transformer step take ~20 s instead of ~1 s.
-  """
-  return tf.compat.v1.placeholder_with_default(tf.constant(m, tf.int32), [])
-
-
-def _unordered(outputs: Sequence[tf.Tensor]) -> None:
-  """Exempts the ops producing `outputs` from tf.function's ordering.
-
-  With a timeline the stage bodies hold `tf.timestamp()`, a stateful op, so
-  their calls become stateful, and tf.function's automatic control
-  dependencies chain every stateful op in program order — all stages in one
-  sequence, no overlap. The calls are already ordered by data; mark them
-  independent instead.
-  """
-  if not outputs or tf.executing_eagerly():
-    return
-  manager = getattr(outputs[0].graph, 'experimental_acd_manager', None)
-  if manager is not None:
-    for op in {t.op for t in outputs}:
-      manager.run_independently(op)
-
-
-def _leaves(nest: Any) -> list[tf.Tensor]:
-  return [t for t in tf.nest.flatten(nest) if t is not None]
-
-
-class _Walker:
-  """Emits the ops of one schedule and holds what they exchange."""
-
-  def __init__(self, stages: Sequence[Stage], schedule: schedule_lib.Schedule,
-               batch_size: Any, batch_dim: int) -> None:
-    if len(stages) != schedule.num_stages:
-      raise EngineError(
-          f'{len(stages)} stages but the {schedule.name} schedule has '
-          f'{schedule.num_stages} (devices × chunks); build one per stage.')
-    ctx = fprop_context.current()
-    self.schedule = schedule
-    self.stages = list(stages)
-    self.batch_dim = batch_dim
-    self.step = tf.compat.v1.placeholder_with_default(
-        tf.cast(ctx.step, tf.int64), [])  # Not folded: see _index.
-    self.timeline = ctx.timeline
-    num_micro = schedule.num_micro_batches
-    micro_size = batch_size // num_micro
-    clock = stage_ops.Clock(ctx.timeline is not None)
-
-    def _scope(m: Any, stats: StatsCollector | None, step: Any) -> Any:
-      return fprop_context.scope(
-          training=True, step=step, micro_batch_index=m,
-          num_micro_batches=num_micro, batch_axis=batch_dim,
-          first_example=m * micro_size, global_batch_size=batch_size,
-          stats=stats)
-
-    self.ops = [stage_ops.StageOps(stage, _scope, clock,
-                                   schedule.recomputes(s))
-                for s, stage in enumerate(stages)]
-    self.thetas: list[Any] = []
-    self.x: dict[tuple[int, int], Any] = {}  # Stage inputs (boundaries).
-    self.y: dict[tuple[int, int], Any] = {}  # Stage outputs.
-    self.dx: dict[tuple[int, int], Any] = {}  # Gradients of stage inputs.
-    self.seed: dict[int, list[tf.Tensor]] = {}  # Last stage's output grads.
-    self.side: list[Any] | None = None  # Labels, per micro-batch.
-    self.tapes: dict[tuple[int, int], tf.GradientTape] = {}
-    self.acc: list[Any] = [None] * len(stages)
-    self.chain: list[list[tf.Tensor]] = [[] for _ in range(len(schedule))]
-    self.stats = [StatsCollector() for _ in stages]
-    self.fused: set[tuple[int, int]] = set()
-
-  @property
-  def last(self) -> int:
-    return len(self.stages) - 1
-
-  def emit(self, ops: Sequence[tuple[int, schedule_lib.Op]]) -> None:
-    """Emits `ops` ((device, op) pairs in dependency order)."""
-    for d, op in ops:
-      s, m = self.schedule.stage(d, op), op.micro_batch
-      if op.kind == 'B' and (s, m) in self.fused:
-        continue  # Emitted with its R.
-      with tf.name_scope(f'stage{s}_{op.kind}{m}'):
-        if op.kind == 'F':
-          self._forward(s, m, d)
-        else:
-          self._backward(s, m, d)
-
-  def _record(self, s: int, m: int, kinds: str,
-              times: list[tf.Tensor]) -> None:
-    if self.timeline is not None:
-      for i, kind in enumerate(kinds):
-        self.timeline.append((s, m, kind, times[i], times[i + 1]))
-
-  def _after(self, d: int) -> list[tf.Tensor]:
-    # Never empty, so a body is traced once, not once more for its first call.
-    return self.chain[d] or [tf.zeros([])]
-
-  def _input(self, s: int, m: int) -> Any:
-    """F(s, m)'s input, placed on s's device once (R reads it again)."""
-    with tf.device(self.stages[s].device):
-      return chained(self.y[(s - 1, m)], [])
-
-  def _forward(self, s: int, m: int, d: int) -> None:
-    ops, theta = self.ops[s], self.thetas[s]
-    x = self.x[(s, m)] if s == 0 else self._input(s, m)
-    side = self.side[m] if s == self.last and self.side else None
-    if ops.recomputes:
-      y, stats, times = ops.forward(theta, x, side, self._after(d),
-                                    _index(m), self.step)
-      _unordered(times)
-    else:  # Inline: the backward needs this tape.
-      x, y, stats, times, self.tapes[(s, m)] = ops.kept_forward(
-          theta, x, side, self._after(d), m, self.step)
-    self.x[(s, m)], self.y[(s, m)] = x, y
-    with tf.device(self.stages[s].device):
-      self.stats[s].merge(stats)
-    self._record(s, m, 'F', times)
-    self.chain[d] = _leaves(y) or self._after(d)
-
-  def _output_grads(self, s: int, m: int) -> list[tf.Tensor]:
-    """Gradients of F(s, m)'s float outputs, on s's device."""
-    if s == self.last:
-      grads = self.seed[m]
-    else:
-      grads = float_leaves(self.dx[(s + 1, m)])
-    with tf.device(self.stages[s].device):
-      return [tf.identity(g) for g in grads]
-
-  def _backward(self, s: int, m: int, d: int) -> None:
-    ops, theta, x = self.ops[s], self.thetas[s], self.x[(s, m)]
-    dys = self._output_grads(s, m)
-    side = self.side[m] if s == self.last and self.side else None
-    if ops.recomputes:
-      acc = self.acc[s]
-      if acc is None:
-        with tf.device(self.stages[s].device):
-          acc = tf.nest.map_structure(tf.zeros_like, theta)
-      dx, self.acc[s], times = ops.backward(
-          theta, x, side, dys, self._after(d), _index(m), self.step, acc)
-      _unordered(times)
-      self.fused.add((s, m))
-      self._record(s, m, 'RB', times)
-    else:
-      dx, self.acc[s], times = ops.kept_backward(
-          self.tapes.pop((s, m)), theta, x, self.y[(s, m)], dys,
-          self._after(d), self.acc[s])
-      self._record(s, m, 'B', times)
-    it = iter(dx)
-    self.dx[(s, m)] = tf.nest.pack_sequence_as(
-        x, [next(it) if stage_ops.differentiable(v) else None
-            for v in tf.nest.flatten(x)])
-    self.chain[d] = _leaves((dx, self.acc[s]))
-
-  def input_grads(self) -> list[Any]:
-    return [self.dx[(0, m)] for m in range(self.schedule.num_micro_batches)]
-
-  def stage_stats(self) -> list[dict[str, Any]]:
-    return [c.stats for c in self.stats]
+EngineError = walker_lib.WalkerError  # A schedule or stages it cannot run.
 
 
 def _read_thetas(stages: Sequence[Stage]) -> list[Any]:
@@ -275,7 +113,7 @@ def run(stages: list[Stage], inputs: tuple[Any, ...],
   """
   forward_ops, backward_ops = _forward_prefix(schedule)
   num_micro = schedule.num_micro_batches
-  walker = _Walker(stages, schedule, microbatch.batch_size(
+  walker = walker_lib.Walker(stages, schedule, microbatch.batch_size(
       inputs, batch_dim, 'pipeline'), batch_dim)
   thetas = _read_thetas(stages)
   args = tf.nest.flatten(inputs) + tf.nest.flatten(thetas)
@@ -333,72 +171,83 @@ def _loss_stage(stage: Stage, loss_fn: LossFn) -> Stage:
   return Stage(_fprop, stage.theta, stage.device)
 
 
-def _mean_metrics(parts: list[dict[str, tuple[tf.Tensor, tf.Tensor]]]
-                 ) -> tuple[dict[str, tuple[tf.Tensor, tf.Tensor]], tf.Tensor]:
-  """Per-micro-batch (value, weight) → the step's (weighted mean, Σ weight)."""
+def _metric_sums(parts: list[dict[str, tuple[tf.Tensor, tf.Tensor]]]
+                ) -> dict[str, tf.Tensor]:
+  """Per-micro-batch (value, weight) → {name: [Σ value·weight, Σ weight]}."""
   out = {}
   for name in parts[0]:
     weights = [tf.cast(p[name][1], tf.float32) for p in parts]
-    total = tf.add_n(weights)
-    sums = tf.add_n([tf.cast(p[name][0], tf.float32) * w
-                     for p, w in zip(parts, weights)])
-    out[name] = (sums / tf.maximum(total, 1e-30), total)
-  return out, out['loss'][1]
+    sums = [tf.cast(p[name][0], tf.float32) * w for p, w in zip(parts, weights)]
+    out[name] = tf.stack([tf.add_n(sums), tf.add_n(weights)])
+  return out
+
+
+def _metric_names(loss_fn: LossFn, out_spec: Any, labels: Any) -> list[str]:
+  """The names loss_fn returns, by tracing it on specs (another process runs
+  the last stage, and all processes reduce the metrics together)."""
+  label_spec = tf.nest.map_structure(
+      lambda t: tf.TensorSpec(t.shape, t.dtype), labels)
+  out_spec = out_spec[0] if len(out_spec) == 1 else out_spec
+  traced = tf.function(loss_fn, autograph=False).get_concrete_function(
+      out_spec, label_spec)
+  return sorted(traced.structured_outputs)
 
 
 @tf.autograph.experimental.do_not_convert  # Graph code already.
 def run_with_loss(stages: list[Stage], inputs: tuple[Any, ...], labels: Any,
                   loss_fn: LossFn, schedule: schedule_lib.Schedule,
-                  batch_dim: int = 0) -> dict[str, tuple[tf.Tensor, tf.Tensor]]:
+                  batch_dim: int = 0,
+                  placement: placement_lib.Placement | None = None,
+                  specs: walker_lib.Specs | None = None
+                 ) -> dict[str, tuple[tf.Tensor, tf.Tensor]]:
   """The whole step of any schedule: forwards, losses, backwards.
 
   Args:
-    stages: As for `run`.
-    inputs: As for `run`.
+    stages: As for `run` (only the local ones are read).
+    inputs: As for `run`: this replica's batch.
     labels: A nest with the batch on `batch_dim`, split like the inputs and
       given to `loss_fn` on the last stage (never differentiated).
     loss_fn: (last stage's outputs, labels) of one micro-batch →
       {'loss': (value, weight), other metrics...}, each a weighted mean.
     schedule: Any schedule.
     batch_dim: The batch dimension of every leaf.
+    placement: Which devices run here (default: all). With several
+      processes, the metrics are reduced over every task, and each stage's
+      gradients and statistics over its replicas.
+    specs: Stage s → its input's per-micro-batch spec (s = #stages: the
+      last stage's output); needed when stages run in other processes.
 
   Returns:
-    {name: (weighted mean over the batch, Σ weight)}. `loss`'s value is
-    differentiable under an outer tape (theta and the float inputs); the
-    other metrics are not.
+    {name: (weighted mean over the batch of every replica, Σ weight)}.
+    `loss`'s value is differentiable under an outer tape (the local thetas
+    and the float inputs); the other metrics are not.
   """
   num_micro = schedule.num_micro_batches
   stages = stages[:-1] + [_loss_stage(stages[-1], loss_fn)]
-  walker = _Walker(stages, schedule, microbatch.batch_size(
-      inputs, batch_dim, 'pipeline'), batch_dim)
-  thetas = _read_thetas(stages)
+  walker = walker_lib.Walker(stages, schedule, microbatch.batch_size(
+      inputs, batch_dim, 'pipeline'), batch_dim, placement, specs)
+  placement = walker.placement
+  local = walker.local_stages()
+  thetas = _read_thetas([stages[s] for s in local])
   structure: list[Any] = []
 
   @tf.custom_gradient
   def _step(*flat: tf.Tensor) -> Any:
-    xs, walker.thetas = _pack_args(inputs, thetas, flat)
-    with tf.device(stages[0].device):
-      for m, x in enumerate(microbatch.split(xs, num_micro, batch_dim)):
-        walker.x[(0, m)] = x
-    with tf.device(stages[-1].device):
-      walker.side = microbatch.split(labels, num_micro, batch_dim)
-      for m in range(num_micro):
-        walker.seed[m] = []  # Filled once F(last, m) exists: see _seed.
-    _emit_with_seeds(walker, schedule_lib.emission_order(schedule))
-    with tf.device(stages[-1].device):
-      metrics, total_weight = _mean_metrics(
-          [walker.y[(walker.last, m)][1] for m in range(num_micro)])
-      scale = 1.0 / tf.maximum(total_weight, 1e-30)
-    grads = []
-    for stage, acc in zip(stages, walker.acc):
-      with tf.device(stage.device):
-        grads += [g * tf.cast(scale, g.dtype) for g in tf.nest.flatten(acc)]
-    with tf.device(stages[0].device):
-      dx = microbatch.concat(walker.input_grads(), batch_dim)
-    dx_leaves = [g * tf.cast(scale, g.dtype) if stage_ops.differentiable(x)
-                 else None for g, x in zip(tf.nest.flatten(dx),
-                                           tf.nest.flatten(inputs))]
-    stats = walker.stage_stats()
+    xs, local_thetas = _pack_args(inputs, thetas, flat)
+    walker.thetas = [None] * len(stages)
+    for s, theta in zip(local, local_thetas):
+      walker.thetas[s] = theta
+    _emit_local(walker, xs, labels, batch_dim)
+    sums = _reduced_metrics(walker, loss_fn, labels, specs, batch_dim)
+    metrics = {name: (v[0] / tf.maximum(v[1], 1e-30), v[1])
+               for name, v in sums.items()}
+    scale = 1.0 / tf.maximum(metrics['loss'][1], 1e-30)
+    grads = _scaled_grads(walker, local, scale)
+    dx_leaves = _input_grads(walker, inputs, scale, batch_dim)
+    stats = [walker.stats[s].stats for s in local]
+    if placement.num_replicas > 1:  # BatchNorm sums over every replica.
+      stats = placement.peers.all_reduce(
+          stats, placement.replica_tasks(), ('stats', placement.device))
     structure.extend([metrics, stats])
     # Where the loss value is among the flat outputs (dicts flatten sorted).
     loss_at = tf.nest.flatten(
@@ -418,14 +267,79 @@ def run_with_loss(stages: list[Stage], inputs: tuple[Any, ...], labels: Any,
   return tf.nest.pack_sequence_as(metrics, flat[:n_metrics])
 
 
-def _emit_with_seeds(walker: _Walker, order: list[Any]) -> None:
-  """Emits `order`; once F(last, m) exists, seeds its backward: d(Σ vw)=1."""
-  for d, op in order:
+def _emit_local(walker: walker_lib.Walker, xs: Any, labels: Any,
+                batch_dim: int) -> None:
+  """Splits the inputs and labels this process needs, then emits its ops;
+  once F(last, m) exists, seeds its backward: d(Σ value·weight) = 1."""
+  num_micro = walker.schedule.num_micro_batches
+  last = walker.last
+  if walker.is_local(0):
+    with tf.device(walker.stages[0].device):
+      for m, x in enumerate(microbatch.split(xs, num_micro, batch_dim)):
+        walker.x[(0, m)] = x
+  if walker.is_local(last):
+    with tf.device(walker.stages[last].device):
+      walker.side = microbatch.split(labels, num_micro, batch_dim)
+  for d, op in schedule_lib.emission_order(walker.schedule):
     walker.emit([(d, op)])
-    s = walker.schedule.stage(d, op)
-    if op.kind == 'F' and s == walker.last:
-      outputs = float_leaves(walker.y[(s, op.micro_batch)])
-      with tf.device(walker.stages[s].device):
+    if op.kind == 'F' and walker.schedule.stage(d, op) == last and (
+        walker.is_local(last)):
+      outputs = float_leaves(walker.y[(last, op.micro_batch)])
+      with tf.device(walker.stages[last].device):
         walker.seed[op.micro_batch] = (
             [tf.ones_like(outputs[0])] +
             [tf.zeros_like(t) for t in outputs[1:]])
+
+
+def _reduced_metrics(walker: walker_lib.Walker, loss_fn: LossFn, labels: Any,
+                     specs: walker_lib.Specs | None, batch_dim: int
+                    ) -> dict[str, tf.Tensor]:
+  """{name: [Σ value·weight, Σ weight]} over the batch of every replica.
+
+  With several processes this all-reduce over every task is also the
+  step's barrier: it waits for this process's sends, and no process starts
+  its next step before all have finished this one.
+  """
+  walker_last = walker.last
+  placement = walker.placement
+  if walker.is_local(walker_last):
+    with tf.device(walker.stages[walker_last].device):
+      sums = _metric_sums([walker.y[(walker_last, m)][1]
+                           for m in range(walker.schedule.num_micro_batches)])
+  else:
+    micro = microbatch.split(labels, walker.schedule.num_micro_batches,
+                             batch_dim)[0]
+    sums = {name: tf.zeros([2]) for name in _metric_names(
+        loss_fn, specs(len(walker.stages)), micro)}
+  if not placement.multi_process:
+    return sums
+  return placement.peers.barrier(sums, key=('metrics',),
+                                 after=walker.tokens)
+
+
+def _scaled_grads(walker: walker_lib.Walker, local: list[int],
+                  scale: tf.Tensor) -> list[tf.Tensor]:
+  """Each local stage's accumulated gradients ÷ Σ weight, summed over the
+  stage's replicas (one synchronous update for the whole global batch)."""
+  placement = walker.placement
+  grads = []
+  for s in local:
+    with tf.device(walker.stages[s].device):
+      grads.append([g * tf.cast(scale, g.dtype)
+                    for g in tf.nest.flatten(walker.acc[s])])
+  if placement.num_replicas > 1:
+    grads = placement.peers.all_reduce(grads, placement.replica_tasks(),
+                                       ('grads', placement.device))
+  return [g for stage_grads in grads for g in stage_grads]
+
+
+def _input_grads(walker: walker_lib.Walker, inputs: Any, scale: tf.Tensor,
+                 batch_dim: int) -> list[tf.Tensor | None]:
+  """Gradients of the float inputs (where stage 0 runs here), ÷ Σ weight."""
+  if not walker.is_local(0):
+    return [None] * len(tf.nest.flatten(inputs))
+  with tf.device(walker.stages[0].device):
+    dx = microbatch.concat(walker.input_grads(), batch_dim)
+  return [g * tf.cast(scale, g.dtype) if stage_ops.differentiable(x)
+          else None for g, x in zip(tf.nest.flatten(dx),
+                                    tf.nest.flatten(inputs))]

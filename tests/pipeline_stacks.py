@@ -193,3 +193,27 @@ def reference(net, inputs, num_micro_batches, step=7, layers=None):
 
 def max_rel_diff(a, b) -> float:
   return transparency.max_rel_diff(a, b)[0]
+
+
+def loss_labels(model: str) -> NestedMap:
+  """Loss weights: per example, or per token (the Transformer's paddings)."""
+  rng = np.random.RandomState(5)
+  if model == 'transformer':
+    _, paddings = MODELS[model]()[2](np.random.RandomState(1))
+    return NestedMap(w=1.0 - paddings)
+  return NestedMap(w=tf.constant(rng.uniform(0.5, 2.0, BATCH), tf.float32))
+
+
+def weighted_loss(outputs, labels):
+  """A weighted mean over examples (or tokens); 'abs_mean' sorts first."""
+  x = outputs[0] if isinstance(outputs, tuple) else outputs
+  w = tf.cast(labels.w, x.dtype)
+  if w.shape.rank == 2:  # [B, T] token weights of [B, T, D] outputs.
+    per = tf.reduce_sum(tf.square(x) + x, axis=-1)
+  else:
+    per = tf.reduce_sum(tf.reshape(tf.square(x) + x, [tf.shape(x)[0], -1]),
+                        axis=1)
+  total = tf.reduce_sum(w)
+  return {'loss': (tf.reduce_sum(per * w) / total, total),
+          'abs_mean': (tf.reduce_mean(tf.abs(x)), tf.cast(tf.size(x),
+                                                          x.dtype))}
