@@ -4,8 +4,9 @@ A user who mistypes a model name or an override should get one line that
 names the problem and the fix, exit status 2, and an untouched logdir, not a
 TensorFlow traceback. So the binaries validate everything (params, data,
 logdir, the model itself) before they create anything, and user errors are
-the named exceptions listed in `USER_ERRORS`, turned into that one line by
-`exit_on_user_error`. Anything else is a bug and keeps its traceback.
+the named exceptions under `lingvo_pipe.errors.LingvoPipeError`, turned into
+that one line by `exit_on_user_error`. Anything else is a bug and keeps its
+traceback.
 
 TensorFlow prints start-up banners on stderr before its logging is
 configured (oneDNN notices, CPU feature lines); `import_tensorflow_quietly`
@@ -55,12 +56,8 @@ import_tensorflow_quietly()
 # pylint: disable=g-import-not-at-top,wrong-import-position
 import tensorflow as tf
 
-from lingvo_pipe.core import base_input_generator
-from lingvo_pipe.core import base_layer
-from lingvo_pipe.pipeline import devices
-from lingvo_pipe.core import gpipe
+from lingvo_pipe import errors
 from lingvo_pipe.core import learning_rate
-from lingvo_pipe.core import model_registry
 from lingvo_pipe.core import optimizer
 from lingvo_pipe.core.hyperparams import Params, ParamsError
 # pylint: enable=g-import-not-at-top,wrong-import-position
@@ -68,16 +65,8 @@ from lingvo_pipe.core.hyperparams import Params, ParamsError
 PARAMS_FILE = 'params.txt'
 
 
-class UserError(Exception):
+class UserError(errors.LingvoPipeError):
   """A bad flag or logdir; the message names the problem and the fix."""
-
-
-USER_ERRORS: tuple[type[Exception], ...] = (
-    UserError, ParamsError, model_registry.ModelRegistryError,
-    learning_rate.ScheduleError, optimizer.OptimizerError,
-    base_input_generator.DataUnavailableError,
-    base_input_generator.InputError, base_layer.LayerError,
-    devices.DeviceError, gpipe.PipelineError)
 
 
 def flags_parser(program: str) -> Callable[[list[str]], list[str]]:
@@ -101,7 +90,7 @@ def exit_on_user_error(program: str) -> Iterator[None]:
   """Turns a user error into one stderr line and exit status 2."""
   try:
     yield
-  except USER_ERRORS as e:
+  except errors.LingvoPipeError as e:
     line = ' '.join(str(e).split()) or type(e).__name__
     sys.stderr.flush()
     sys.stderr.write(f'{program}: error: {line}\n')

@@ -30,15 +30,16 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
+from lingvo_pipe import errors
 from lingvo_pipe.core.hyperparams import InstantiableParams, Params
 from lingvo_pipe.core.nested_map import NestedMap
 
 
-class InputError(ValueError):
+class InputError(errors.LingvoPipeError):
   """Input params or arrays that cannot make batches; names the param."""
 
 
-class DataUnavailableError(RuntimeError):
+class DataUnavailableError(errors.LingvoPipeError, RuntimeError):
   """The data of an input generator is missing; the message says the fix."""
 
 

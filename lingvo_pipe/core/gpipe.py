@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
+from lingvo_pipe import errors
 from lingvo_pipe.core import base_layer
 from lingvo_pipe.pipeline import devices as devices_lib
 from lingvo_pipe.core import fprop_context
@@ -44,7 +45,7 @@ from lingvo_pipe.pipeline import simulator
 from lingvo_pipe.core.nested_map import NestedMap
 
 
-class PipelineError(ValueError):
+class PipelineError(errors.LingvoPipeError):
   """Bad pipeline params or inputs; the message names the values and fix."""
 
 

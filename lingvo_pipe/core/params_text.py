@@ -18,8 +18,10 @@ from typing import Any
 
 import tensorflow as tf
 
+from lingvo_pipe import errors
 
-class ParamsError(AttributeError):
+
+class ParamsError(errors.LingvoPipeError, AttributeError):
   """A key, path or value that the Params tree does not accept."""
 
 

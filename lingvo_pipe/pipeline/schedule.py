@@ -29,6 +29,8 @@ from __future__ import annotations
 
 from typing import Callable, NamedTuple, Sequence
 
+from lingvo_pipe import errors
+
 __all__ = [
     'Op', 'RECOMPUTE_POLICIES', 'SCHEDULES', 'Schedule', 'ScheduleError',
     'check_schedule', 'clock_cycles', 'dependencies', 'gpipe_schedule',
@@ -39,7 +41,7 @@ RECOMPUTE_POLICIES = ('always', 'except_last', 'never')
 SCHEDULES = ('gpipe', '1f1b')
 
 
-class ScheduleError(ValueError):
+class ScheduleError(errors.LingvoPipeError):
   """A schedule that is malformed, or that cannot run to completion."""
 
 
