@@ -27,6 +27,7 @@ from lingvo_pipe.core.params_text import ParamsError
 
 # An index has at most 9 digits: a 5,000-digit one is a malformed path, not
 # a 5,000-digit int to convert.
+_BARE_PARAMS = 'Params()'  # ToText's line for bare Params in an untyped slot.
 _PATH_PART = re.compile(r'^([A-Za-z_]\w*)((?:\[\d{1,9}\])*)$')
 _LIST_HEADER = re.compile(r'^(list|tuple)\(len=(\d{1,9})\)$')
 
@@ -270,12 +271,6 @@ class Params:
         value = value[index]
       if last:
         return node, key, None
-      if value is None and create:
-        # Only an untyped slot (default None, or a list element) may grow
-        # keys: a None that replaced a typed value keeps that type.
-        if indices or node._params[key].default is None:
-          value = _OpenParams()  # Keys get defined as the text assigns them.
-          node._SetIndexed(key, indices, value)
       if not isinstance(value, Params):
         raise ParamsError(f'{".".join(done + [part])!r} in path {path!r} is '
                           f'a {type(value).__name__}, not Params.')
@@ -303,6 +298,14 @@ class Params:
       return
     parent, key, index = self._Walk(path, create=True)
     old, default = parent._OldAndDefault(key, index)
+    if text_value == _BARE_PARAMS:
+      if isinstance(old, Params):
+        return  # Already Params: the lines that follow set its keys.
+      if old is not None or default is not None:
+        raise ParamsError(f'Param {path!r}: {_BARE_PARAMS} cannot replace its '
+                          f'{type(old).__name__} value {old!r}.')
+      parent._SetIndexed(key, [] if index is None else [index], _OpenParams())
+      return
     head = _LIST_HEADER.match(text_value)
     if head:
       parent._SetListFromHeader(path, key, index, head, old, default)
@@ -358,8 +361,8 @@ class Params:
 
   def _Flat(self) -> dict[str, str]:
     out: dict[str, str] = {}
-    for name, value in self.IterParams():
-      _flatten(name, value, out)
+    for name, param in self._params.items():
+      _flatten(name, param.value, out, untyped=param.default is None)
     return out
 
 
@@ -415,14 +418,25 @@ class _OpenParams(Params):
     super().__setattr__(name, value)
 
 
-def _flatten(path: str, value: Any, out: dict[str, str]) -> None:
+def _flatten(path: str, value: Any, out: dict[str, str],
+             untyped: bool = False) -> None:
+  """ToText's lines of `value` at `path` into `out`.
+
+  Params in an untyped slot (a param whose default is None, or a list
+  element) get a line that says what to build there: `x.cls : type/...`
+  for InstantiableParams, `x : Params()` for bare Params. FromText builds
+  Params nowhere else, so `costs.foo : 1` cannot turn a None into Params.
+  """
   if isinstance(value, Params):
-    for name, sub in value.IterParams():
-      _flatten(f'{path}.{name}', sub, out)
+    if untyped and not isinstance(value, InstantiableParams):
+      out[path] = _BARE_PARAMS
+    for name, param in value._params.items():  # pylint: disable=protected-access
+      _flatten(f'{path}.{name}', param.value, out,
+               untyped=param.default is None)
   elif isinstance(value, (list, tuple)) and any(
       isinstance(v, Params) for v in value):
     out[path] = f'{type(value).__name__}(len={len(value)})'
     for i, item in enumerate(value):
-      _flatten(f'{path}[{i}]', item, out)
+      _flatten(f'{path}[{i}]', item, out, untyped=True)
   else:
     out[path] = params_text.value_to_text(path, value)

@@ -22,6 +22,10 @@ instead of changing a model. The rule's exceptions, each for a reason:
   `list(len=N)` or `tuple(len=N)`), so every value round-trips;
 - None replaces a value only where the default is None (or the value is
   None already): `learning_rate : None` is an error, not a crash later.
+
+Keys never grow under a None: a None becomes Params only by a line that
+says which, `x.cls : type/...` or `x : Params()` (ToText writes them for
+Params in untyped slots), so `task.pipeline.costs.foo : 1` is an error.
 """
 
 from __future__ import annotations

@@ -165,6 +165,19 @@ def test_no_new_keys_under_a_none_that_replaced_a_typed_value():
                              'PipeliningLayer')
 
 
+def test_keys_grow_under_none_only_after_a_line_that_builds_params():
+  # Issue 11: `task.pipeline.costs.foo : 1` turned the None into Params,
+  # and the pipeline then crashed on len(costs).
+  with pytest.raises(ParamsError, match='not Params'):
+    _params(costs=None).FromText('costs.foo : 1')
+  with pytest.raises(ParamsError, match='not Params'):
+    _params(layers=[]).FromText('layers : list(len=1); layers[0].a : 1')
+  p = _params(x=None).FromText('x : Params(); x.depth : 4')
+  assert p.x.depth == 4 and p.ToText() == 'x : Params()\nx.depth : 4\n'
+  with pytest.raises(ParamsError, match='Params\\(\\) cannot replace'):
+    _params(lr=0.1).FromText('lr : Params()')
+
+
 def test_list_header_keeps_non_lists_typed():
   with pytest.raises(ParamsError, match=r'list\(len=3\) cannot replace'):
     _params(lr=0.1).FromText('lr : list(len=3)')
