@@ -91,6 +91,13 @@ class BaseInputGenerator:
     """Endless batches; the first is that of step `start_step`."""
     raise NotImplementedError(f'{type(self).__name__}.TrainDataset')
 
+  def TrainBatchSizes(self) -> list[int]:
+    """Every batch size TrainDataset makes (length buckets may make several).
+
+    The trainer checks each against the model before it writes anything.
+    """
+    return [self.params.batch_size]
+
   def EvalDataset(self) -> tf.data.Dataset:
     """One pass over the split in a fixed order, the last batch kept."""
     raise NotImplementedError(f'{type(self).__name__}.EvalDataset')

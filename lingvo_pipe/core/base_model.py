@@ -20,6 +20,11 @@ Hooks the binaries call (override what a task needs):
 * `Summaries() -> dict[str, float]` — extra scalars the trainer writes to
   TensorBoard beside the loss (pipeline tasks: partition imbalance, bubble
   fraction). Called in Python, outside the train step.
+* `CheckTrainBatch(batch_spec, batch_size)` — raises a named error if the
+  task cannot train on batches shaped like `batch_spec`; the trainer calls
+  it before it writes anything (see `preflight`). The default checks each
+  pipeline's micro-batching; a task that feeds a pipeline should also
+  check the inputs' shapes (`preflight.check_pipeline`).
 * `EvalStep(theta, batch) -> NestedMap` — what the evaler computes per batch
   in inference mode (default: FProp's metrics). A translation task decodes
   here and returns the hypotheses.
@@ -40,6 +45,8 @@ import numpy as np
 import tensorflow as tf
 
 from lingvo_pipe.core import base_layer
+from lingvo_pipe.core import gpipe
+from lingvo_pipe.core import preflight
 from lingvo_pipe.core.hyperparams import InstantiableParams, Params
 from lingvo_pipe.core.nested_map import NestedMap
 
@@ -104,6 +111,27 @@ class BaseTask(base_layer.BaseLayer):
   def Summaries(self) -> dict[str, float]:
     """Extra scalars for the trainer's TensorBoard summaries (default none)."""
     return {}
+
+  def CheckTrainBatch(self, batch_spec: NestedMap, batch_size: int) -> None:
+    """Raises a named error unless the task can train on such batches.
+
+    The trainer calls it before it writes anything, once per batch size the
+    input generator makes. This default checks every pipeline among the
+    task's children against `batch_size` (its micro-batching); override it
+    to pass the pipeline its real input specs, so shapes are checked too:
+
+        preflight.check_pipeline(self.children.pipeline, (batch_spec.x,),
+                                 batch_size)
+
+    Args:
+      batch_spec: NestedMap of tf.TensorSpec of one training batch, batch
+        dimension (0) = batch_size.
+      batch_size: Examples in the batch.
+    """
+    del batch_spec
+    for child in self.children.values():
+      if isinstance(child, gpipe.PipeliningLayer):
+        preflight.check_pipeline(child, None, batch_size)
 
   def EvalStep(self, theta: NestedMap, batch: NestedMap) -> NestedMap:
     """What the evaler computes per batch (inference mode): FProp's metrics."""

@@ -23,6 +23,7 @@ import tensorflow as tf
 from lingvo_pipe.core import base_layer
 from lingvo_pipe.core import base_model
 from lingvo_pipe.core import gpipe
+from lingvo_pipe.core import preflight
 from lingvo_pipe.core.hyperparams import InstantiableParams, Params
 from lingvo_pipe.core.nested_map import NestedMap
 from lingvo_pipe.layers import softmax
@@ -63,6 +64,10 @@ class ImageClassifierTask(base_model.BaseTask):
     accuracy = tf.reduce_mean(_correct(predictions, labels))
     return {'loss': (loss, num), 'accuracy': (accuracy, num),
             'top1_error': (1.0 - accuracy, num)}
+
+  def CheckTrainBatch(self, batch_spec: NestedMap, batch_size: int) -> None:
+    preflight.check_pipeline(self.children.pipeline, (batch_spec.image,),
+                             batch_size)
 
   def EvalStep(self, theta: NestedMap, batch: NestedMap) -> NestedMap:
     logits = self.ComputePredictions(theta, batch)

@@ -27,6 +27,7 @@ import tensorflow as tf
 from lingvo_pipe.core import base_layer
 from lingvo_pipe.core import base_model
 from lingvo_pipe.core import gpipe
+from lingvo_pipe.core import preflight
 from lingvo_pipe.core.hyperparams import InstantiableParams
 from lingvo_pipe.core.nested_map import NestedMap
 from lingvo_pipe.layers import softmax
@@ -155,6 +156,11 @@ class TranslationTask(base_model.BaseTask):
     return {'loss': (loss, num_tokens),
             'log_pplx': (tf.stop_gradient(log_pplx), num_tokens),
             'token_accuracy': (accuracy, num_tokens)}
+
+  def CheckTrainBatch(self, batch_spec: NestedMap, batch_size: int) -> None:
+    inputs = tuple(batch_spec[k] for k in ('src_ids', 'src_paddings',
+                                           'tgt_ids', 'tgt_paddings'))
+    preflight.check_pipeline(self.children.pipeline, inputs, batch_size)
 
   # ---- Decoding ------------------------------------------------------------
   def Decode(self, theta: NestedMap, src_ids: tf.Tensor,

@@ -13,6 +13,7 @@ import tensorflow as tf
 
 from lingvo_pipe.core import base_model
 from lingvo_pipe.core import gpipe
+from lingvo_pipe.core import preflight
 from lingvo_pipe.core.hyperparams import InstantiableParams
 from lingvo_pipe.core.nested_map import NestedMap
 from lingvo_pipe.layers import linear
@@ -66,6 +67,10 @@ class RegressionTask(base_model.BaseTask):
         'loss': (tf.reduce_mean(tf.square(err)), weight),
         'mean_abs_error': (tf.reduce_mean(tf.abs(err)), weight),
     }
+
+  def CheckTrainBatch(self, batch_spec: NestedMap, batch_size: int) -> None:
+    preflight.check_pipeline(self.children.pipeline, (batch_spec.x,),
+                             batch_size)
 
   def Inspect(self) -> str:
     return self.children.pipeline.Inspect()
