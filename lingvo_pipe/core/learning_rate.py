@@ -36,16 +36,25 @@ class LearningRateError(errors.LingvoPipeError):
 
 def validate(train: Params) -> None:
   """Checks `task.train`'s schedule fields; raises LearningRateError."""
+  if not 0 < train.learning_rate < math.inf:
+    raise LearningRateError(
+        f'task.train.learning_rate must be finite and > 0, got '
+        f'{train.learning_rate}; e.g. 1e-3.')
   if train.lr_schedule not in SCHEDULES:
     raise LearningRateError(
         f'task.train.lr_schedule is {train.lr_schedule!r}; use one of '
         f'{", ".join(SCHEDULES)}.')
   if train.lr_warmup_steps < 0:
     raise LearningRateError(f'task.train.lr_warmup_steps must be ≥ 0, got '
-                        f'{train.lr_warmup_steps}.')
+                            f'{train.lr_warmup_steps}.')
+  if train.lr_schedule == 'exponential' and not (
+      0 < train.lr_decay_rate < math.inf):
+    raise LearningRateError(f'task.train.lr_decay_rate must be finite and '
+                            f'> 0, got {train.lr_decay_rate}.')
   if train.lr_schedule == 'exponential' and train.lr_decay_steps <= 0:
     raise LearningRateError(f'task.train.lr_decay_steps must be > 0 for the '
-                        f'exponential schedule, got {train.lr_decay_steps}.')
+                            f'exponential schedule, got '
+                            f'{train.lr_decay_steps}.')
   if (train.lr_schedule == 'cosine' and
       train.max_steps <= train.lr_warmup_steps):
     raise LearningRateError(
