@@ -261,8 +261,8 @@ class Params:
       for j, index in enumerate(indices):
         if not isinstance(value, (list, tuple)) or index >= len(value):
           size = len(value) if isinstance(value, (list, tuple)) else 'n/a'
-          raise ParamsError(f'Index [{index}] out of range in {_short(path)!r} (list '
-                            f'length {size}).')
+          raise ParamsError(f'Index [{index}] out of range in '
+                            f'{_short(path)!r} (list length {size}).')
         if last and j == len(indices) - 1:
           if j:
             raise ParamsError(f'Nested list indices are not settable: '
@@ -430,7 +430,7 @@ def _flatten(path: str, value: Any, out: dict[str, str],
   if isinstance(value, Params):
     if untyped and not isinstance(value, InstantiableParams):
       out[path] = _BARE_PARAMS
-    for name, param in value._params.items():  # pylint: disable=protected-access
+    for name, param in value._params.items():
       _flatten(f'{path}.{name}', param.value, out,
                untyped=param.default is None)
   elif isinstance(value, (list, tuple)) and any(

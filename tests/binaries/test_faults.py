@@ -212,4 +212,5 @@ def test_temp_dirs_of_killed_saves_are_removed_at_start_up(trained_logdir,
   assert rc == 0, err
   assert f'Removed {temp}, left by a save that was killed' in err
   assert not temp.exists()
-  assert checkpoints.step_of(checkpoints.list_checkpoints(str(logdir))[-1]) == 40
+  listed = checkpoints.list_checkpoints(str(logdir))
+  assert checkpoints.step_of(listed[-1]) == 40

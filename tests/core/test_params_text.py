@@ -219,7 +219,7 @@ def test_type_in_a_logdir_text_never_runs_a_module_in_the_evaler():
   assert 'lp_never_imported_xyz' not in sys.modules
 
 
-# ---- Lingvo's spellings (peer behaviours) -------------------------------------
+# ---- Lingvo's spellings (peer behaviours) ---------------------------------
 @pytest.mark.parametrize('text, want', [
     ('flag : false', False), ('flag : true', True), ('flag : False', False),
     ('flag : NoneType', None), ('flag : None', None)])
