@@ -347,13 +347,24 @@ class BaseLayer(tf.Module):
 
   def CreateChildren(self, name: str,
                      params_list: Sequence[InstantiableParams],
-                     devices: Sequence[str | None] | None = None
+                     devices: Sequence[str | None] | None = None,
+                     keys: Sequence[str] | None = None
                     ) -> list['BaseLayer']:
     """Builds a list of children; theta.name is the list of their thetas.
 
     `devices[i]`, if given, is where child i's variables are created.
+    Child i's path is `<path>.<name>[i]` and its checkpoint key
+    `<name>_<i>`, unless `keys` names each child: then `<path>.<keys[i]>`
+    and `keys[i]`, so inserting a child renames no other (a pipeline's
+    layers are keyed by their names, as in Lingvo).
     """
-    self._CheckNewName(name, [f'{name}_{i}' for i in range(len(params_list))])
+    if keys is not None and len(keys) != len(params_list):
+      raise LayerError(f'{self.path}: CreateChildren({name!r}) got '
+                       f'{len(params_list)} params but {len(keys)} keys.')
+    by_name = keys is not None
+    keys = list(keys) if by_name else [
+        f'{name}_{i}' for i in range(len(params_list))]
+    self._CheckNewName(name, keys)
     if devices is not None and len(devices) != len(params_list):
       raise LayerError(
           f'{self.path}: CreateChildren({name!r}) got {len(params_list)} '
@@ -362,9 +373,10 @@ class BaseLayer(tf.Module):
     children = []
     for i, params in enumerate(params_list):
       device = devices[i] if devices is not None else None
-      with self._Building(f'{name}[{i}]'), tf.device(device):
-        child = self._ChildParams(f'{name}_{i}', params).Instantiate()
-      self._track_trackable(child, name=f'{name}_{i}')
+      with self._Building(keys[i] if by_name else f'{name}[{i}]'), (
+          tf.device(device)):
+        child = self._ChildParams(keys[i], params).Instantiate()
+      self._track_trackable(child, name=keys[i])
       children.append(child)
     self._private_children[name] = children
     return children

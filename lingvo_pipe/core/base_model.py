@@ -23,8 +23,8 @@ Hooks the binaries call (override what a task needs):
 * `CheckTrainBatch(batch_spec, batch_size)` — raises a named error if the
   task cannot train on batches shaped like `batch_spec`; the trainer calls
   it before it writes anything (see `preflight`). The default checks each
-  pipeline's micro-batching; a task that feeds a pipeline should also
-  check the inputs' shapes (`preflight.check_pipeline`).
+  pipeline child (micro-batching, schedule, and with `PipelineInputs` the
+  inputs' shapes); override it for a task it does not fit.
 * `EvalStep(theta, batch) -> NestedMap` — what the evaler computes per batch
   in inference mode (default: FProp's metrics). A translation task decodes
   here and returns the hypotheses.
@@ -45,7 +45,6 @@ import numpy as np
 import tensorflow as tf
 
 from lingvo_pipe.core import base_layer
-from lingvo_pipe.core import gpipe
 from lingvo_pipe.core import preflight
 from lingvo_pipe.core.hyperparams import InstantiableParams, Params
 from lingvo_pipe.core.nested_map import NestedMap
@@ -105,8 +104,17 @@ class BaseTask(base_layer.BaseLayer):
                             batch)
 
   def Inspect(self) -> str:
-    """Text shown by `trainer --mode=inspect_params` (partition, schedule)."""
+    """A report of the built task (partition, schedule); default none."""
     return ''
+
+  @classmethod
+  def InspectParams(cls, p: InstantiableParams) -> str:
+    """What `trainer --mode=inspect_params` prints for task params `p`.
+
+    Builds the task and calls Inspect(); tasks that can plan from Params
+    alone (PipelinedTask) override it, so it needs no devices.
+    """
+    return p.Instantiate().Inspect()
 
   def Summaries(self) -> dict[str, float]:
     """Extra scalars for the trainer's TensorBoard summaries (default none)."""
@@ -116,22 +124,19 @@ class BaseTask(base_layer.BaseLayer):
     """Raises a named error unless the task can train on such batches.
 
     The trainer calls it before it writes anything, once per batch size the
-    input generator makes. This default checks every pipeline among the
-    task's children against `batch_size` (its micro-batching); override it
-    to pass the pipeline its real input specs, so shapes are checked too:
-
-        preflight.check_pipeline(self.children.pipeline, (batch_spec.x,),
-                                 batch_size)
+    input generator makes. This default (`preflight.check_task`) checks
+    every pipeline among the task's children: micro-batching and schedule
+    for `batch_size` and, for a task with the classmethod `PipelineInputs`
+    (a `PipelinedTask`), the real inputs' batch axis and shapes. Override
+    it for a task that feeds a pipeline otherwise, with
+    `preflight.check_pipeline(pipeline, input_specs, batch_size)`.
 
     Args:
       batch_spec: NestedMap of tf.TensorSpec of one training batch, batch
         dimension (0) = batch_size.
       batch_size: Examples in the batch.
     """
-    del batch_spec
-    for child in self.children.values():
-      if isinstance(child, gpipe.PipeliningLayer):
-        preflight.check_pipeline(child, None, batch_size)
+    preflight.check_task(self, batch_spec, batch_size)
 
   def EvalStep(self, theta: NestedMap, batch: NestedMap) -> NestedMap:
     """What the evaler computes per batch (inference mode): FProp's metrics."""

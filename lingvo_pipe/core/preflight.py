@@ -12,11 +12,14 @@ is the data:
       spec = the generator's batches, batch dim = N
       task.CheckTrainBatch(spec, N)
 
-and a task's `CheckTrainBatch` checks each pipeline with `check_pipeline`:
-N against `num_micro_batches` / `micro_batch_size` (the check the pipeline
-would make at the first step), the batch axis of every input, and the
-inputs' shapes against `input_shapes` (so FPropMeta's shapes are the real
-ones).
+and a task's `CheckTrainBatch` (by default `check_task`) checks each
+pipeline with `check_pipeline`: N against `num_micro_batches` /
+`micro_batch_size` and the schedule (what the pipeline's plan would check
+at the first step, memory budget included), the batch axis of every input
+and label, and the inputs' shapes against `input_shapes` (so FPropMeta's
+shapes are the real ones). A task that says how a batch feeds its pipeline
+(the classmethods `PipelineInputs` and `LossInputs`, as `PipelinedTask`
+has) gets those specs by tracing just that mapping.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from typing import Any
 import tensorflow as tf
 
 from lingvo_pipe import errors
-from lingvo_pipe.pipeline import microbatch
+from lingvo_pipe.core import gpipe
 
 
 class BatchShapeError(errors.LingvoPipeError):
@@ -57,28 +60,70 @@ def _with_batch(spec: tf.TensorSpec, size: int) -> tf.TensorSpec:
   return tf.TensorSpec([size] + spec.shape.as_list()[1:], spec.dtype)
 
 
-def check_pipeline(pipeline: Any, inputs: Any, batch_size: int) -> None:
+def check_task(task: Any, batch_spec: Any, batch_size: int) -> None:
+  """`BaseTask.CheckTrainBatch`'s default: every pipeline child of `task`.
+
+  Args:
+    task: An instantiated task.
+    batch_spec: NestedMap of tf.TensorSpec of one training batch.
+    batch_size: Examples in the batch.
+  """
+  for name, child in task.children.items():
+    if not isinstance(child, gpipe.PipeliningLayer):
+      continue
+    inputs = labels = None
+    if name == 'pipeline' and hasattr(type(task), 'PipelineInputs'):
+      inputs, labels = _traced_inputs(type(task), batch_spec)
+    check_pipeline(child, inputs, batch_size, labels)
+
+
+def _traced_inputs(task_cls: Any, batch_spec: Any) -> tuple[Any, Any]:
+  """(PipelineInputs, LossInputs) of a batch like `batch_spec`, symbolic."""
+
+  def _feeds(batch: Any) -> tuple[Any, Any]:
+    labels = (task_cls.LossInputs(batch)
+              if hasattr(task_cls, 'LossInputs') else None)
+    return tuple(task_cls.PipelineInputs(batch)), labels
+
+  traced = tf.function(_feeds, autograph=False)
+  return traced.get_concrete_function(batch_spec).structured_outputs
+
+
+def check_pipeline(pipeline: Any, inputs: Any, batch_size: int,
+                   labels: Any = None) -> None:
   """Checks a PipeliningLayer against the specs of its training inputs.
 
   Args:
     pipeline: An instantiated `gpipe.PipeliningLayer`.
     inputs: A nest of `tf.TensorSpec` (or tensors): the pipeline's
       positional inputs for one training batch, or None to check only the
-      micro-batching.
+      micro-batching and the schedule.
     batch_size: Examples per training step (N).
+    labels: Optional nest the loss reads, split into micro-batches with the
+      inputs (`FPropLoss`): only its batch axis is checked.
 
   Raises:
-    microbatch.MicroBatchError: N does not split into the micro-batches.
-    BatchShapeError: an input's batch axis or shape disagrees with the
-      pipeline's `batch_dim` or `input_shapes`.
+    errors.LingvoPipeError: N does not split into the micro-batches, or no
+      schedule runs them (the plan's own errors); BatchShapeError: an
+      input's batch axis or shape disagrees with the pipeline's `batch_dim`
+      or `input_shapes`.
   """
   p, where = pipeline.params, pipeline.path
-  microbatch.num_micro_batches(batch_size, p.num_micro_batches,
-                               p.micro_batch_size, where)
+  m = pipeline.plan.num_micro_batches(batch_size)
+  if m is not None:
+    pipeline.plan.schedule(m)
   if inputs is None:
     return
   leaves = tf.nest.flatten(inputs)
-  bd = p.batch_dim
+  _check_batch_axis(leaves + tf.nest.flatten(labels), p.batch_dim,
+                    batch_size, where)
+  if p.input_shapes is not None:
+    _check_input_shapes(p.input_shapes, leaves, p.batch_dim, where)
+
+
+def _check_batch_axis(leaves: list[Any], bd: int, batch_size: int,
+                      where: str) -> None:
+  """Every leaf has `batch_size` (or an unknown size) on axis `bd`."""
   for i, leaf in enumerate(leaves):
     shape = tf.TensorShape(leaf.shape)
     if shape.rank is None:
@@ -91,8 +136,6 @@ def check_pipeline(pipeline: Any, inputs: Any, batch_size: int) -> None:
           f'{axis} (task.pipeline.batch_dim={bd}), but a batch holds '
           f'{batch_size} examples; set task.pipeline.batch_dim to the batch '
           'axis of the inputs.')
-  if p.input_shapes is not None:
-    _check_input_shapes(p.input_shapes, leaves, bd, where)
 
 
 def _check_input_shapes(input_shapes: Any, leaves: list[Any], bd: int,
