@@ -189,7 +189,10 @@ def check_writable_dir(path: str, flag: str = '--logdir') -> None:
   if not os.path.isdir(probe):
     raise UserError(f'{flag}={path!r} is not writable: {probe!r} is a file, '
                     'not a directory; choose another path.')
-  name_max = os.pathconf(probe, 'PC_NAME_MAX')
+  try:
+    name_max = os.pathconf(probe, 'PC_NAME_MAX')
+  except (OSError, ValueError):
+    name_max = 255  # Linux's, for file systems that do not say.
   too_long = [p for p in target[len(probe):].split(os.sep) if len(
       p.encode('utf-8', 'surrogateescape')) > name_max]
   if too_long:
