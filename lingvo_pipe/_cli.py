@@ -4,8 +4,9 @@ A user who mistypes a model name or an override should get one line that
 names the problem and the fix, exit status 2, and an untouched logdir, not a
 TensorFlow traceback. So the binaries validate everything (params, data,
 logdir, the model itself) before they create anything, and user errors are
-the named exceptions listed in `USER_ERRORS`, turned into that one line by
-`exit_on_user_error`. Anything else is a bug and keeps its traceback.
+the named exceptions under `lingvo_pipe.errors.LingvoPipeError`, turned into
+that one line by `exit_on_user_error`. Anything else is a bug and keeps its
+traceback.
 
 TensorFlow prints start-up banners on stderr before its logging is
 configured (oneDNN notices, CPU feature lines); `import_tensorflow_quietly`
@@ -15,6 +16,7 @@ swallows exactly those so the one line is not buried.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import re
 import sys
@@ -55,12 +57,8 @@ import_tensorflow_quietly()
 # pylint: disable=g-import-not-at-top,wrong-import-position
 import tensorflow as tf
 
-from lingvo_pipe.core import base_input_generator
-from lingvo_pipe.core import base_layer
-from lingvo_pipe.pipeline import devices
-from lingvo_pipe.core import gpipe
+from lingvo_pipe import errors
 from lingvo_pipe.core import learning_rate
-from lingvo_pipe.core import model_registry
 from lingvo_pipe.core import optimizer
 from lingvo_pipe.core.hyperparams import Params, ParamsError
 # pylint: enable=g-import-not-at-top,wrong-import-position
@@ -68,16 +66,8 @@ from lingvo_pipe.core.hyperparams import Params, ParamsError
 PARAMS_FILE = 'params.txt'
 
 
-class UserError(Exception):
+class UserError(errors.LingvoPipeError):
   """A bad flag or logdir; the message names the problem and the fix."""
-
-
-USER_ERRORS: tuple[type[Exception], ...] = (
-    UserError, ParamsError, model_registry.ModelRegistryError,
-    learning_rate.ScheduleError, optimizer.OptimizerError,
-    base_input_generator.DataUnavailableError,
-    base_input_generator.InputError, base_layer.LayerError,
-    devices.DeviceError, gpipe.PipelineError)
 
 
 def flags_parser(program: str) -> Callable[[list[str]], list[str]]:
@@ -101,7 +91,7 @@ def exit_on_user_error(program: str) -> Iterator[None]:
   """Turns a user error into one stderr line and exit status 2."""
   try:
     yield
-  except USER_ERRORS as e:
+  except errors.LingvoPipeError as e:
     line = ' '.join(str(e).split()) or type(e).__name__
     sys.stderr.flush()
     sys.stderr.write(f'{program}: error: {line}\n')
@@ -110,15 +100,32 @@ def exit_on_user_error(program: str) -> Iterator[None]:
 
 
 # ---- Params -----------------------------------------------------------------
+def read_text_file(path: str, fix: str, name: str = '') -> str:
+  """The UTF-8 text of `path`; UserError naming it and the fix if unreadable.
+
+  Args:
+    path: The file.
+    fix: What the user should do, the end of the message.
+    name: How to call the file in the message (default: its path).
+  """
+  name = name or path
+  try:
+    with open(path, 'rb') as f:
+      raw = f.read()
+  except OSError as e:
+    raise UserError(f'Cannot read {name}: {e.strerror}; {fix}.') from None
+  try:
+    return raw.decode('utf-8')
+  except UnicodeDecodeError as e:
+    line = raw.count(b'\n', 0, e.start) + 1
+    raise UserError(f'{name} is not UTF-8 text (byte {e.start}, line {line}: '
+                    f'{raw[e.start:e.start + 4]!r}); {fix}.') from None
+
+
 def read_override_file(path: str) -> str:
   """The text of --model_params_file_override (`path : value` lines)."""
-  try:
-    with open(path, encoding='utf-8') as f:
-      return f.read()
-  except OSError as e:
-    raise UserError(f'Cannot read --model_params_file_override={path!r}: '
-                    f'{e.strerror}; pass a readable file of "path : value" '
-                    'lines.') from None
+  return read_text_file(path, 'pass a readable UTF-8 file of "path : value" '
+                        'lines', name=f'--model_params_file_override={path!r}')
 
 
 def apply_overrides(params: Params, *texts: str) -> Params:
@@ -129,6 +136,9 @@ def apply_overrides(params: Params, *texts: str) -> Params:
   return params
 
 
+_INT64_MAX = 2**63 - 1  # The global step is an int64 variable.
+
+
 def validate_train_params(params: Params) -> None:
   """Checks `task.train` for values the trainer cannot run with."""
   train = params.task.train
@@ -136,13 +146,16 @@ def validate_train_params(params: Params) -> None:
   learning_rate.validate(train)
   for key in ('max_steps', 'save_interval_steps', 'max_checkpoints_to_keep',
               'summary_interval_steps'):
-    if getattr(train, key) < 1:
-      raise UserError(f'task.train.{key} must be ≥ 1, got '
-                      f'{getattr(train, key)}; set it in an override.')
-  if train.clip_gradient_norm < 0 or train.weight_decay < 0:
-    raise UserError('task.train.clip_gradient_norm and weight_decay must be '
-                    f'≥ 0, got {train.clip_gradient_norm} and '
-                    f'{train.weight_decay}.')
+    value = getattr(train, key)
+    if not 1 <= value <= _INT64_MAX:
+      raise UserError(f'task.train.{key} must be in [1, 2**63 - 1] (the step '
+                      f'is an int64), got {value}; set it in an override '
+                      '(or --max_steps).')
+  for key in ('clip_gradient_norm', 'weight_decay'):
+    value = getattr(train, key)
+    if not 0 <= value < math.inf:
+      raise UserError(f'task.train.{key} must be finite and ≥ 0 (0 turns it '
+                      f'off), got {value}.')
 
 
 def set_devices(params: Params, devices_flag: str) -> None:
@@ -176,9 +189,37 @@ def check_writable_dir(path: str, flag: str = '--logdir') -> None:
   if not os.path.isdir(probe):
     raise UserError(f'{flag}={path!r} is not writable: {probe!r} is a file, '
                     'not a directory; choose another path.')
+  try:
+    name_max = os.pathconf(probe, 'PC_NAME_MAX')
+  except (OSError, ValueError):
+    name_max = 255  # Linux's, for file systems that do not say.
+  too_long = [p for p in target[len(probe):].split(os.sep) if len(
+      p.encode('utf-8', 'surrogateescape')) > name_max]
+  if too_long:
+    raise UserError(f'{flag}: the name {too_long[0][:40]!r}... has '
+                    f'{len(too_long[0])} characters, more than the {name_max} '
+                    'this file system allows; choose a shorter path.')
   if not os.access(probe, os.W_OK | os.X_OK):
     raise UserError(f'{flag}={path!r} is not writable (no write permission '
                     f'on {probe!r}); choose a directory you can write to.')
+
+
+def create_logdir(logdir: str, params_text: str) -> None:
+  """Creates `logdir` (if needed) and writes its params.txt.
+
+  Raises:
+    UserError: the directory or file cannot be created (a read-only or
+      special file system, a name too long); nothing is left behind.
+  """
+  created = not os.path.isdir(logdir)
+  try:
+    os.makedirs(logdir, exist_ok=True)
+    write_file_atomically(os.path.join(logdir, PARAMS_FILE), params_text)
+  except OSError as e:
+    if created and os.path.isdir(logdir) and not os.listdir(logdir):
+      os.rmdir(logdir)
+    raise UserError(f'Cannot write to --logdir={logdir!r}: {e.strerror}; '
+                    'choose a directory you can write to.') from None
 
 
 def write_file_atomically(path: str, text: str) -> None:

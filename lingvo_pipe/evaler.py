@@ -13,14 +13,29 @@ Exactly once: each scored checkpoint gets a JSON score file in
 wall time), written atomically, and a checkpoint with a score file is never
 scored again, across restarts too. Only checkpoints listed in the trainer's
 `checkpoint` state file are read (it lists a checkpoint only once written);
-one deleted before it could be read (the trainer keeps only the last few) is
-logged and skipped. TensorBoard summaries go to the same directory.
+one deleted before or while it is read (the trainer keeps only the last few)
+is logged and skipped, and each checkpoint is restored through a fresh
+`tf.train.Checkpoint`, so a failed restore leaves nothing pending for the
+next. TensorBoard summaries go to the same directory.
+
+A checkpoint is never scored as a result unless every weight is finite (a
+trainer of this version never saves one that is not, but an older one did).
+In `latest` and `all` modes a non-finite checkpoint ends the run: one line
+naming it and its variables, exit status 2, nothing recorded for it. In
+`continuous` mode it is skipped with one warning line naming it, and the
+evaler waits for the next one (exit 2 if it was the last, at max_steps).
+A damaged state file or checkpoint is one line and exit 2 in every mode.
 """
 
 from __future__ import annotations
 
 # pylint: disable=g-bad-import-order
-from lingvo_pipe import _cli  # First: imports TensorFlow without its banner.
+from lingvo_pipe import _signals
+
+if __name__ == '__main__':  # Before TensorFlow's import, the slowest part.
+  _signals.exit_on_signals('evaler', _signals.EVALER)
+
+from lingvo_pipe import _cli  # Imports TensorFlow without its banner.
 
 import ast
 import json
@@ -94,11 +109,11 @@ class Evaler:
     with tf.device('/device:CPU:0'):
       self._step = tf.Variable(0, dtype=tf.int64, trainable=False,
                                name='global_step')
-    self._ckpt = tf.train.Checkpoint(step=self._step, task=self.task)
     self._logdir = logdir
     self.score_dir = score_dir(logdir, dataset)
     self._writer: tf.summary.SummaryWriter | None = None
     self._eval_fn = tf.function(self._eval_step, reduce_retracing=True)
+    self.skipped: set[str] = set()  # Non-finite: not scored, not retried.
 
   def _eval_step(self, batch: NestedMap) -> NestedMap:
     with fprop_context.scope(training=False):
@@ -109,19 +124,34 @@ class Evaler:
     return [c for c in checkpoints.list_checkpoints(self._logdir)
             if not os.path.exists(_score_path(self.score_dir, c))]
 
-  def score(self, ckpt: str) -> dict | None:
-    """Scores `ckpt` and records it; None if it vanished before reading."""
+  def score(self, ckpt: str, skip_non_finite: bool = False) -> dict | None:
+    """Scores `ckpt` and records it.
+
+    Returns None, scoring nothing, if `ckpt` was deleted before or while it
+    was read, or if it holds non-finite weights and `skip_non_finite`.
+
+    Raises:
+      checkpoints.CheckpointError: `ckpt` is damaged, or (unless
+        `skip_non_finite`) holds non-finite weights.
+    """
     start = time.time()
-    try:
-      status = self._ckpt.restore(ckpt)
-      status.expect_partial()  # The optimizer's slots are not needed here.
-      status.assert_existing_objects_matched()  # Every task variable is.
-    except (tf.errors.NotFoundError, tf.errors.DataLossError,
-            ValueError) as e:
-      if checkpoints.exists(ckpt):
-        raise
-      logging.warning('Skipping %s: deleted before it could be read (%s).',
-                      ckpt, type(e).__name__)
+    # A fresh object: after a failed restore, one keeps that checkpoint as
+    # its pending restore (issue 11: the next restore then read a deleted
+    # file). The optimizer's slots are not needed here (partial).
+    restored = tf.train.Checkpoint(step=self._step, task=self.task)
+    if not checkpoints.restore(restored, ckpt, partial=True):
+      logging.warning('Skipping %s: deleted before it could be read.', ckpt)
+      return None
+    bad = checkpoints.non_finite(self.task.variables)
+    if bad:
+      what = (f'{ckpt} holds non-finite values in {len(bad)} variables (e.g. '
+              f'{", ".join(bad[:2])}): not scored')
+      if not skip_non_finite:
+        raise checkpoints.CheckpointError(
+            f'{what}. Score another checkpoint (--mode=all scores each), or '
+            'delete it; the trainer that wrote it diverged.')
+      logging.warning('Skipping %s.', what)
+      self.skipped.add(ckpt)
       return None
     aggregator = self.task.CreateEvalAggregator()
     num_examples = 0
@@ -141,7 +171,11 @@ class Evaler:
     return record
 
   def _record(self, ckpt: str, record: dict) -> None:
-    os.makedirs(self.score_dir, exist_ok=True)
+    try:
+      os.makedirs(self.score_dir, exist_ok=True)
+    except OSError as e:
+      raise _cli.UserError(f'Cannot create {self.score_dir}: {e.strerror}; '
+                           'make the logdir writable.') from None
     if self._writer is None:
       self._writer = tf.summary.create_file_writer(self.score_dir)
     summaries.scalars(self._writer, record['step'], record['metrics'])
@@ -167,10 +201,16 @@ class Evaler:
     max_steps = self._params.task.train.max_steps
     while True:
       for ckpt in self.unscored():
-        self.score(ckpt)
+        if ckpt not in self.skipped:
+          self.score(ckpt, skip_non_finite=True)
       if any(r['step'] >= max_steps for r in read_scores(self.score_dir)):
         logging.info('Scored a checkpoint at step ≥ %d: done.', max_steps)
         return
+      if any(checkpoints.step_of(c) >= max_steps for c in self.skipped):
+        raise checkpoints.CheckpointError(
+            f'The checkpoint at step ≥ {max_steps} (task.train.max_steps) '
+            'holds non-finite values, and no later one will come; score an '
+            'earlier one with --mode=all.')
       _sleep_or_time_out(
           poll_secs, deadline,
           f'a checkpoint at step ≥ {max_steps} in {self._logdir}')
@@ -207,8 +247,8 @@ def build_params(logdir: str, dataset: str) -> Params:
   if not os.path.isfile(path):
     raise _cli.UserError(f'{path} not found: --logdir must be a trainer\'s '
                          'logdir; run the trainer first or fix --logdir.')
-  with open(path, encoding='utf-8') as f:
-    lines = f.read().splitlines()
+  lines = _cli.read_text_file(path, 'restore the file the trainer wrote'
+                             ).splitlines()
   try:
     trained = next((ast.literal_eval(l.split(':', 1)[1].strip())
                     for l in lines if l.startswith('model :')), '')
@@ -249,6 +289,7 @@ def _main(argv: list[str]) -> None:
 
 def run() -> None:
   """Console-script entry point (`lingvo_pipe_evaler`)."""
+  _signals.exit_on_signals('evaler', _signals.EVALER)
   app.run(_main, flags_parser=_cli.flags_parser('evaler'))
 
 

@@ -12,9 +12,17 @@ from the latest complete checkpoint, which holds the weights, the optimizer
 slots and the global step, and the input order is a pure function of the
 step, so it ends with the weights of an uninterrupted run. SIGTERM or
 Ctrl-C (and --max_train_minutes running out) stop it after the current step
-with a checkpoint of that step; a second signal stops it at once. A step
-whose loss or gradient is not finite applies nothing, and the trainer stops
-(exit 1) without saving, so the last checkpoint stays the last good one.
+with a checkpoint of that step; a second signal stops it at once; during
+start-up a signal stops it with a message (see `_signals`). A step whose
+loss or gradient is not finite applies nothing, and one whose update makes
+a weight or optimizer slot non-finite is caught right after it: either way
+the trainer stops (exit 1) without saving, so the last checkpoint stays the
+last good one.
+
+Before it writes anything, the trainer checks everything the params, the
+data and the logdir can get wrong (see `preflight`), and restores the
+latest checkpoint: a bad config, or a damaged `checkpoint` file or
+checkpoint, is one line, exit 2, and an untouched logdir.
 
 What lands in the logdir: params.txt; checkpoint, ckpt-<step>.{index,data-*}
 (the last task.train.max_checkpoints_to_keep); train/events.* (TensorBoard).
@@ -23,10 +31,14 @@ What lands in the logdir: params.txt; checkpoint, ckpt-<step>.{index,data-*}
 from __future__ import annotations
 
 # pylint: disable=g-bad-import-order
-from lingvo_pipe import _cli  # First: imports TensorFlow without its banner.
+from lingvo_pipe import _signals
+
+if __name__ == '__main__':  # Before TensorFlow's import, the slowest part.
+  _signals.exit_on_signals('trainer', _signals.STARTUP)
+
+from lingvo_pipe import _cli  # Imports TensorFlow without its banner.
 
 import os
-import signal
 import sys
 import time
 
@@ -43,6 +55,7 @@ from lingvo_pipe.core import fprop_context
 from lingvo_pipe.core import learning_rate
 from lingvo_pipe.core import model_registry
 from lingvo_pipe.core import optimizer
+from lingvo_pipe.core import preflight
 from lingvo_pipe.core import summaries
 from lingvo_pipe.core.hyperparams import Params
 
@@ -97,6 +110,8 @@ class Trainer:
                               name='global_step')
     self._ckpt = tf.train.Checkpoint(step=self.step, task=self.task,
                                      optimizer=self._opt)
+    # What a save writes: checked finite after every update.
+    self._saved_vars = list(self.task.variables) + list(self._opt.variables)
     self._logdir = logdir
     self._manager: tf.train.CheckpointManager | None = None
     # No AutoGraph: FProps are graph code already (tf.cond, tf.while_loop),
@@ -105,15 +120,26 @@ class Trainer:
     self.stop_reason = ''  # Set (by a signal handler) to stop after a step.
 
   def restore(self) -> int:
-    """Opens the checkpoint manager, restores the latest checkpoint if any."""
+    """Opens the checkpoint manager, restores the latest checkpoint if any.
+
+    Reads the logdir, writes nothing.
+
+    Raises:
+      checkpoints.CheckpointError: the state file or the latest checkpoint
+        is damaged or missing (TensorFlow would start from step 0).
+    """
+    checkpoints.read_state(self._logdir)  # TF ignores a damaged one.
     self._manager = tf.train.CheckpointManager(
         self._ckpt, self._logdir, self._train.max_checkpoints_to_keep,
         checkpoint_name=checkpoints.CHECKPOINT_PREFIX)
-    if self._manager.latest_checkpoint:
-      self._ckpt.restore(
-          self._manager.latest_checkpoint).assert_existing_objects_matched()
-      logging.info('Restored %s (step %d).', self._manager.latest_checkpoint,
-                   int(self.step.numpy()))
+    latest = self._manager.latest_checkpoint
+    if latest:
+      if not checkpoints.restore(self._ckpt, latest):
+        raise checkpoints.CheckpointError(
+            f'{latest} is the latest checkpoint in '
+            f'{os.path.join(self._logdir, checkpoints.STATE_FILE)} but its '
+            f'files are gone; {checkpoints.state_fix(self._logdir)}')
+      logging.info('Restored %s (step %d).', latest, int(self.step.numpy()))
     return int(self.step.numpy())
 
   def save(self) -> str:
@@ -127,7 +153,13 @@ class Trainer:
     return self._manager.latest_checkpoint if self._manager else None
 
   def _train_step(self, batch: base_model.NestedMap):
-    """One step: loss, gradients, and the update iff all are finite."""
+    """One step: loss, gradients, and the update iff all are finite.
+
+    Returns:
+      (metrics, gradient norm, status, learning rate); status 0: applied;
+      1: loss or gradient not finite, nothing applied; 2: applied, but a
+      weight or slot became non-finite (must not be saved).
+    """
     train, variables = self._train, self._vars
     step = self.step.read_value()
     collector = fprop_context.StatsCollector()
@@ -150,10 +182,11 @@ class Trainer:
       self._opt.apply(grads, variables, lr, step)
       self.task.UpdateStats(collector.stats)  # BatchNorm: once per step.
       self.step.assign_add(1)
-      return tf.constant(True)
+      # Read after the assignments (automatic control dependencies).
+      return tf.where(checkpoints.all_finite(self._saved_vars), 0, 2)
 
-    applied = tf.cond(finite, _apply, lambda: tf.constant(False))
-    return metrics, norm, applied, lr
+    status = tf.cond(finite, _apply, lambda: tf.constant(1))
+    return metrics, norm, status, lr
 
   def train(self, generator: base_input_generator.BaseInputGenerator,
             writer: tf.summary.SummaryWriter,
@@ -171,9 +204,9 @@ class Trainer:
     rate = _Rate(batch_size)
     for batch in generator.TrainDataset(start):
       s = int(self.step.numpy())
-      metrics, norm, applied, lr = self._step_fn(batch)
-      if not bool(applied.numpy()):
-        self._stop_on_non_finite(s, metrics, norm, writer)
+      metrics, norm, status, lr = self._step_fn(batch)
+      if int(status):
+        self._stop_on_non_finite(s, metrics, norm, lr, writer, int(status))
       done = s + 1
       if done == start + 1:
         rate.examples_per_sec(done)  # Starts the clock after tracing.
@@ -183,13 +216,16 @@ class Trainer:
                               rate.examples_per_sec(done))
       if deadline is not None and time.time() >= deadline:
         self.stop_reason = f'--max_train_minutes={max_minutes:g} reached'
-      last = done >= train.max_steps or bool(self.stop_reason)
-      if done % train.save_interval_steps == 0 or last:
+      saved = done % train.save_interval_steps == 0
+      if saved:
         logging.info('Saved %s.', self.save())
-      if self.stop_reason and done < train.max_steps:
-        logging.info('Stopped at step %d of %d (%s); run again to continue.',
-                     done, train.max_steps, self.stop_reason)
-      if last:
+      # Read after the save: a signal during it stops here, not a step later.
+      if done >= train.max_steps or self.stop_reason:
+        if not saved:
+          logging.info('Saved %s.', self.save())
+        if self.stop_reason and done < train.max_steps:
+          logging.info('Stopped at step %d of %d (%s); run again to '
+                       'continue.', done, train.max_steps, self.stop_reason)
         break
     progress.log(overall=True)
 
@@ -201,16 +237,25 @@ class Trainer:
     values.update(self.task.Summaries())
     summaries.scalars(writer, step, values)
 
-  def _stop_on_non_finite(self, step: int, metrics, norm, writer) -> None:
+  def _stop_on_non_finite(self, step: int, metrics, norm, lr, writer,
+                          status: int) -> None:
     writer.flush()
     kept = self.latest_checkpoint
     kept_text = (f'the last good checkpoint is {kept}' if kept else
                  'no checkpoint was written')
-    logging.error(
-        'Non-finite loss (%s) or gradient norm (%s) at step %d: nothing was '
-        'applied and nothing saved; %s. Lower task.train.learning_rate or '
-        'set task.train.clip_gradient_norm.', float(metrics['loss'][0]),
-        float(norm), step, kept_text)
+    fix = ('Lower task.train.learning_rate or set '
+           'task.train.clip_gradient_norm.')
+    if status == 1:
+      logging.error('Non-finite loss (%s) or gradient norm (%s) at step %d: '
+                    'nothing was applied and nothing saved; %s. %s',
+                    float(metrics['loss'][0]), float(norm), step, kept_text,
+                    fix)
+    else:
+      bad = checkpoints.non_finite(self._saved_vars)
+      logging.error('Non-finite weights after the update of step %d '
+                    '(learning rate %g, gradient norm %g): %d variables, '
+                    'e.g. %s; nothing saved; %s. %s', step, float(lr),
+                    float(norm), len(bad), bad[:3], kept_text, fix)
     sys.exit(1)
 
 
@@ -309,8 +354,8 @@ def _check_params_file(logdir: str, params: Params) -> None:
   path = os.path.join(logdir, _cli.PARAMS_FILE)
   if not os.path.exists(path):
     return
-  with open(path, encoding='utf-8') as f:
-    old = f.read()
+  old = _cli.read_text_file(path, 'restore the file the trainer wrote, or '
+                            'use another --logdir')
   if old == params.ToText() or old == _with_old_run_length(params, old):
     return  # Same run, or the same run extended/shortened (max_steps).
   diff = _cli.params_diff(old, params)
@@ -338,6 +383,22 @@ def _inspect(params: Params) -> str:
                                 profile_inputs=task_cls.PipelineInputs(batch))
 
 
+def _prepare(params: Params, logdir: str):
+  """Everything that can refuse the run, before the logdir is touched.
+
+  Returns:
+    (trainer, input generator).
+  """
+  _cli.check_writable_dir(logdir)
+  _check_params_file(logdir, params)
+  generator = params.input.Instantiate()
+  generator.CheckAvailable()
+  dataset = generator.TrainDataset(0)  # Builds (lazily): checks batch size.
+  trainer = Trainer(params, logdir)  # Partition, devices, FPropMeta shapes.
+  preflight.check_train_batches(trainer.task, generator, dataset.element_spec)
+  return trainer, generator
+
+
 def _main(argv: list[str]) -> None:
   if len(argv) > 1:
     raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
@@ -351,44 +412,26 @@ def _main(argv: list[str]) -> None:
       print(_inspect(params))
       return
     logdir = _LOGDIR.value
-    _cli.check_writable_dir(logdir)
-    _check_params_file(logdir, params)
-    generator = params.input.Instantiate()
-    generator.CheckAvailable()
-    generator.TrainDataset(0)  # Builds (lazily) to check batch size etc.
-    trainer = Trainer(params, logdir)
-  # Everything is valid: only now touch the logdir.
-  os.makedirs(logdir, exist_ok=True)
-  _cli.write_file_atomically(os.path.join(logdir, _cli.PARAMS_FILE),
-                             params.ToText())
-  start = trainer.restore()
+    trainer, generator = _prepare(params, logdir)
+    start = trainer.restore()  # Reads only: damage is refused here.
+    # Everything is valid: only now touch the logdir.
+    _cli.create_logdir(logdir, params.ToText())
+  for path in checkpoints.remove_temp_dirs(logdir):
+    logging.info('Removed %s, left by a save that was killed.', path)
   if start >= params.task.train.max_steps:
     logging.info('Already at step %d ≥ max_steps %d: nothing to do.', start,
                  params.task.train.max_steps)
     return
   writer = _cli.summary_writer(logdir, 'train')
-  _stop_after_step_on_signals(trainer)
+  _signals.stop_after_step(trainer)
   with _cli.exit_on_user_error('trainer'):
     trainer.train(generator, writer, _MAX_MINUTES.value)
   writer.close()
 
 
-def _stop_after_step_on_signals(trainer: Trainer) -> None:
-  """SIGTERM/SIGINT: finish the step, checkpoint it, exit 0; twice: now."""
-
-  def _handler(signum: int, _) -> None:
-    if trainer.stop_reason:  # The second signal: stop without a checkpoint.
-      raise SystemExit(128 + signum)
-    trainer.stop_reason = f'{signal.Signals(signum).name} received'
-    logging.info('%s: stopping after this step with a checkpoint (send it '
-                 'again to stop at once).', trainer.stop_reason)
-
-  for signum in (signal.SIGTERM, signal.SIGINT):
-    signal.signal(signum, _handler)
-
-
 def run() -> None:
   """Console-script entry point (`lingvo_pipe_trainer`)."""
+  _signals.exit_on_signals('trainer', _signals.STARTUP)
   app.run(_main, flags_parser=_cli.flags_parser('trainer'))
 
 

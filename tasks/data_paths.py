@@ -22,12 +22,14 @@ import dataclasses
 import os
 import pathlib
 
+from lingvo_pipe import errors
+
 ENV_VAR = 'LINGVO_PIPE_DATA_DIR'
 # Where `apt-get install` puts packages; a module constant so tests can move it.
 SYSTEM_ROOT = pathlib.Path('/')
 
 
-class MissingDataError(FileNotFoundError):
+class MissingDataError(errors.LingvoPipeError, FileNotFoundError):
   """Source files of a dataset are not on this machine."""
 
 

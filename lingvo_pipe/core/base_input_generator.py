@@ -30,15 +30,16 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
+from lingvo_pipe import errors
 from lingvo_pipe.core.hyperparams import InstantiableParams, Params
 from lingvo_pipe.core.nested_map import NestedMap
 
 
-class InputError(ValueError):
+class InputError(errors.LingvoPipeError):
   """Input params or arrays that cannot make batches; names the param."""
 
 
-class DataUnavailableError(RuntimeError):
+class DataUnavailableError(errors.LingvoPipeError, RuntimeError):
   """The data of an input generator is missing; the message says the fix."""
 
 
@@ -89,6 +90,13 @@ class BaseInputGenerator:
   def TrainDataset(self, start_step: int) -> tf.data.Dataset:
     """Endless batches; the first is that of step `start_step`."""
     raise NotImplementedError(f'{type(self).__name__}.TrainDataset')
+
+  def TrainBatchSizes(self) -> list[int]:
+    """Every batch size TrainDataset makes (length buckets may make several).
+
+    The trainer checks each against the model before it writes anything.
+    """
+    return [self.params.batch_size]
 
   def EvalDataset(self) -> tf.data.Dataset:
     """One pass over the split in a fixed order, the last batch kept."""

@@ -55,6 +55,7 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 import tensorflow as tf
 
+from lingvo_pipe import errors
 from lingvo_pipe.core import fprop_context
 from lingvo_pipe.core.fprop_context import FPropContext, StatsCollector
 from lingvo_pipe.core.hyperparams import InstantiableParams, Params
@@ -69,7 +70,7 @@ __all__ = [
 DEFAULT_RANDOM_SEED = 1234
 
 
-class LayerError(ValueError):
+class LayerError(errors.LingvoPipeError):
   """Bad params or inputs for a layer; the message names the layer path."""
 
 

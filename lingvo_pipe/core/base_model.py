@@ -20,6 +20,11 @@ Hooks the binaries call (override what a task needs):
 * `Summaries() -> dict[str, float]` — extra scalars the trainer writes to
   TensorBoard beside the loss (pipeline tasks: partition imbalance, bubble
   fraction). Called in Python, outside the train step.
+* `CheckTrainBatch(batch_spec, batch_size)` — raises a named error if the
+  task cannot train on batches shaped like `batch_spec`; the trainer calls
+  it before it writes anything (see `preflight`). The default checks each
+  pipeline child (micro-batching, schedule, and with `PipelineInputs` the
+  inputs' shapes); override it for a task it does not fit.
 * `EvalStep(theta, batch) -> NestedMap` — what the evaler computes per batch
   in inference mode (default: FProp's metrics). A translation task decodes
   here and returns the hypotheses.
@@ -40,6 +45,7 @@ import numpy as np
 import tensorflow as tf
 
 from lingvo_pipe.core import base_layer
+from lingvo_pipe.core import preflight
 from lingvo_pipe.core.hyperparams import InstantiableParams, Params
 from lingvo_pipe.core.nested_map import NestedMap
 
@@ -113,6 +119,24 @@ class BaseTask(base_layer.BaseLayer):
   def Summaries(self) -> dict[str, float]:
     """Extra scalars for the trainer's TensorBoard summaries (default none)."""
     return {}
+
+  def CheckTrainBatch(self, batch_spec: NestedMap, batch_size: int) -> None:
+    """Raises a named error unless the task can train on such batches.
+
+    The trainer calls it before it writes anything, once per batch size the
+    input generator makes. This default (`preflight.check_task`) checks
+    every pipeline among the task's children: micro-batching and schedule
+    for `batch_size` and, for a task with the classmethod `PipelineInputs`
+    (a `PipelinedTask`), the real inputs' batch axis and shapes. Override
+    it for a task that feeds a pipeline otherwise, with
+    `preflight.check_pipeline(pipeline, input_specs, batch_size)`.
+
+    Args:
+      batch_spec: NestedMap of tf.TensorSpec of one training batch, batch
+        dimension (0) = batch_size.
+      batch_size: Examples in the batch.
+    """
+    preflight.check_task(self, batch_spec, batch_size)
 
   def EvalStep(self, theta: NestedMap, batch: NestedMap) -> NestedMap:
     """What the evaler computes per batch (inference mode): FProp's metrics."""

@@ -1,4 +1,4 @@
-"""Which checkpoints of a logdir are complete, and their steps.
+"""Which checkpoints of a logdir are complete, readable and finite.
 
 The trainer saves through `tf.train.CheckpointManager`, which writes a
 checkpoint's files first and only then rewrites the `checkpoint` state file
@@ -6,17 +6,49 @@ checkpoint's files first and only then rewrites the `checkpoint` state file
 never from the files it sees on disk, therefore never opens a checkpoint that
 is still being written. The trainer names checkpoints `ckpt-<step>`, so the
 step is known without opening one.
+
+What can go wrong on disk, and what the binaries do about it (one line,
+exit status 2, and the fix, via `CheckpointError`):
+
+- a state file that is not a state file (garbage, zeroed, not UTF-8):
+  TensorFlow's own reader logs a warning and returns None, and a trainer
+  would silently start again from step 0 beside the old checkpoints;
+  `read_state` refuses it instead;
+- checkpoint files that are truncated, zeroed or bit-flipped (the index is
+  an sstable with block checksums, the data has a CRC32C per tensor):
+  `restore` names the checkpoint and the previous one to fall back to;
+- a listed checkpoint deleted while a reader opens it (the trainer keeps
+  only the last few): `restore` returns False and the evaler skips it;
+- `_temp` directories left by a save that was killed (TensorFlow writes
+  `ckpt-N_temp/part-*` and then renames): `remove_temp_dirs`.
+
+And one thing that is not a disk fault: weights that became inf or NaN.
+`all_finite` lets the train step check the updated variables, so the
+trainer never saves them; `non_finite` lets the evaler refuse to score them.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import shutil
+from typing import Iterable, Sequence
 
+from google.protobuf import text_format
 import tensorflow as tf
+# The message tf.train.get_checkpoint_state returns; TF exports no name for it.
+from tensorflow.python.training import checkpoint_state_pb2
+
+from lingvo_pipe import errors
 
 CHECKPOINT_PREFIX = 'ckpt'
+STATE_FILE = 'checkpoint'
 _STEP = re.compile(r'-(\d+)$')
+_TEMP_DIR = re.compile(rf'^{CHECKPOINT_PREFIX}-\d+_temp')
+
+
+class CheckpointError(errors.LingvoPipeError):
+  """A state file or checkpoint that cannot be read; names the fix."""
 
 
 def step_of(path: str) -> int:
@@ -27,26 +59,168 @@ def step_of(path: str) -> int:
   return int(m.group(1))
 
 
+def read_state(logdir: str) -> checkpoint_state_pb2.CheckpointState | None:
+  """The parsed `logdir/checkpoint` state file; None if there is none yet.
+
+  Raises:
+    CheckpointError: the file exists but is not a readable state file.
+  """
+  path = os.path.join(logdir, STATE_FILE)
+  try:
+    with open(path, 'rb') as f:
+      raw = f.read()
+  except FileNotFoundError:
+    return None
+  except OSError as e:
+    raise CheckpointError(f'{path} cannot be read ({e.strerror}); '
+                          f'{state_fix(logdir)}') from None
+  state = checkpoint_state_pb2.CheckpointState()
+  try:
+    text_format.Parse(raw.decode('utf-8'), state)
+  except (UnicodeDecodeError, text_format.ParseError) as e:
+    reason = f'{type(e).__name__}: {" ".join(str(e).split())[:100]}'
+    raise CheckpointError(f'{path} is not a checkpoint state file ({reason}); '
+                          f'{state_fix(logdir)}') from None
+  if not state.model_checkpoint_path:
+    raise CheckpointError(f'{path} names no checkpoint (model_checkpoint_path '
+                          f'is empty); {state_fix(logdir)}')
+  return state
+
+
+def state_fix(logdir: str) -> str:
+  """How to repair a damaged state file, given the checkpoints on disk."""
+  on_disk = sorted((step_of(name[:-len('.index')]) for name in _names(logdir)
+                    if name.endswith('.index') and _STEP.search(
+                        name[:-len('.index')])), reverse=True)
+  if on_disk:
+    name = f'{CHECKPOINT_PREFIX}-{on_disk[0]}'
+    return (f'to resume from {name} (the newest on disk), replace the file '
+            f'with the one line: model_checkpoint_path: "{name}"; or use '
+            'another --logdir.')
+  return ('no checkpoint files are on disk: delete the file to start from '
+          'step 0, or use another --logdir.')
+
+
+def _names(logdir: str) -> list[str]:
+  try:
+    return os.listdir(logdir)
+  except OSError:
+    return []
+
+
 def list_checkpoints(logdir: str) -> list[str]:
   """Complete checkpoints listed in `logdir/checkpoint`, oldest step first.
 
   Paths are rebased onto `logdir` (the state file may hold paths as the
   trainer spelled them). Returns [] when there is no state file yet.
+
+  Raises:
+    CheckpointError: the state file is damaged (see `read_state`).
   """
-  try:
-    state = tf.train.get_checkpoint_state(logdir)
-  except (tf.errors.OpError, ValueError):
-    return []  # Unreadable: not written yet, or being replaced right now.
+  state = read_state(logdir)
   if state is None:
     return []
   paths = {os.path.join(logdir, os.path.basename(p))
            for p in state.all_model_checkpoint_paths}
-  if state.model_checkpoint_path:
-    paths.add(os.path.join(logdir,
-                           os.path.basename(state.model_checkpoint_path)))
+  paths.add(os.path.join(logdir,
+                         os.path.basename(state.model_checkpoint_path)))
   return sorted((p for p in paths if _STEP.search(p)), key=step_of)
 
 
 def exists(path: str) -> bool:
   """Whether the files of checkpoint `path` are still on disk."""
   return tf.io.gfile.exists(path + '.index')
+
+
+def restore(checkpoint: tf.train.Checkpoint, path: str,
+            partial: bool = False) -> bool:
+  """Restores `path` into `checkpoint`'s objects.
+
+  Use a fresh `tf.train.Checkpoint` per call: after a failed restore, an
+  object keeps the failed checkpoint as its pending restore.
+
+  Args:
+    checkpoint: What to restore into.
+    path: A checkpoint prefix such as '/logdir/ckpt-300'.
+    partial: Only `checkpoint`'s objects need to be in the file (the evaler
+      skips the optimizer's slots); else the file must match them exactly.
+
+  Returns:
+    False if the checkpoint was deleted before it could be read.
+
+  Raises:
+    CheckpointError: the files are there but cannot be read or do not
+      match the model; the message names the file and the fix.
+  """
+  if not exists(path):
+    return False
+  try:
+    status = checkpoint.restore(path)
+    if partial:
+      status.expect_partial()
+    status.assert_existing_objects_matched()
+  except Exception as e:  # pylint: disable=broad-except
+    if not exists(path):
+      return False  # Deleted while being read.
+    reason = f'{type(e).__name__}: {_first_line(e)}'
+    raise CheckpointError(f'{path} cannot be read ({reason}); '
+                          f'{_damage_fix(path)}') from None
+  return True
+
+
+def _first_line(e: Exception) -> str:
+  text = ' '.join(str(e).split())
+  text = re.sub(r'\{\{function_node [^}]*\}\}\s*', '', text)
+  return text[:160]
+
+
+def _damage_fix(path: str) -> str:
+  logdir = os.path.dirname(path)
+  try:
+    older = [c for c in list_checkpoints(logdir) if step_of(c) < step_of(path)]
+  except CheckpointError:
+    older = []
+  name = os.path.basename(path)
+  if older:
+    return (f'the file is damaged (truncated or overwritten) or from another '
+            f'model. Fix: delete {name}.* and its lines in '
+            f'{os.path.join(logdir, STATE_FILE)} (model_checkpoint_path: '
+            f'"{os.path.basename(older[-1])}") to fall back to '
+            f'{os.path.basename(older[-1])}, or use another --logdir.')
+  return (f'the file is damaged (truncated or overwritten) or from another '
+          f'model, and no older checkpoint is listed. Fix: delete {name}.* '
+          f'and {os.path.join(logdir, STATE_FILE)} to start from step 0, or '
+          'use another --logdir.')
+
+
+def remove_temp_dirs(logdir: str) -> list[str]:
+  """Removes `ckpt-N_temp` directories of killed saves; returns them."""
+  removed = []
+  for name in _names(logdir):
+    path = os.path.join(logdir, name)
+    if _TEMP_DIR.match(name) and os.path.isdir(path):
+      shutil.rmtree(path, ignore_errors=True)
+      removed.append(path)
+  return removed
+
+
+def _float_variables(variables: Iterable[tf.Variable]) -> list[tf.Variable]:
+  return [v for v in variables if v.dtype.is_floating]
+
+
+def all_finite(variables: Sequence[tf.Variable]) -> tf.Tensor:
+  """Bool scalar: every float variable holds only finite values.
+
+  Each variable is checked on its own device; only the booleans move.
+  """
+  checks = []
+  for v in _float_variables(variables):
+    with tf.device(v.device):
+      checks.append(tf.reduce_all(tf.math.is_finite(v)))
+  return tf.reduce_all(tf.stack(checks)) if checks else tf.constant(True)
+
+
+def non_finite(variables: Iterable[tf.Variable]) -> list[str]:
+  """Names of the float variables holding inf or NaN (eager)."""
+  return [v.name for v in _float_variables(variables)
+          if not bool(tf.reduce_all(tf.math.is_finite(v)))]

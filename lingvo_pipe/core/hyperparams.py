@@ -21,11 +21,15 @@ import difflib
 import re
 from typing import Any, Iterator
 
+from lingvo_pipe.core import params_literal
 from lingvo_pipe.core import params_text
 from lingvo_pipe.core.params_text import ParamsError
 
-_PATH_PART = re.compile(r'^([A-Za-z_]\w*)((?:\[\d+\])*)$')
-_LIST_HEADER = re.compile(r'^(list|tuple)\(len=(\d+)\)$')
+# An index has at most 9 digits: a 5,000-digit one is a malformed path, not
+# a 5,000-digit int to convert.
+_BARE_PARAMS = 'Params()'  # ToText's line for bare Params in an untyped slot.
+_PATH_PART = re.compile(r'^([A-Za-z_]\w*)((?:\[\d{1,9}\])*)$')
+_LIST_HEADER = re.compile(r'^(list|tuple)\(len=(\d{1,9})\)$')
 
 
 def _suggest(name: str, candidates: list[str]) -> str:
@@ -165,18 +169,32 @@ class Params:
     string; an unquoted string value (`optimizer : adam`) cannot contain ';'
     — quote it (ToText always does). Lines starting with '#' are comments. A
     value is parsed into the type of the value it replaces; a mismatch
-    raises an error naming the key, the text and the expected type.
+    raises an error naming the key, the text and the expected type (see
+    `params_text` for the rule and its exceptions).
+
+    Raises:
+      ParamsError: for any text that is not such lines; never another error.
     """
+    if not isinstance(text, str):
+      raise ParamsError(f'FromText needs a str, got {type(text).__name__}.')
     for raw in params_text.split_lines(text):
       line = raw.strip()
       if not line or line.startswith('#'):
         continue
       if ':' not in line:
-        raise ParamsError(f'Malformed params line {line!r}: expected '
+        raise ParamsError(f'Malformed params line {_short(line)!r}: expected '
                           '"path : value", e.g. "task.train.learning_rate : '
                           '0.1".')
       path, text_value = (s.strip() for s in line.split(':', 1))
-      self._SetFromText(path, text_value)
+      try:
+        self._SetFromText(path, text_value)
+      except ParamsError:
+        raise
+      except (RecursionError, MemoryError, OverflowError, IndexError,
+              KeyError, TypeError, ValueError) as e:  # A last resort.
+        raise ParamsError(
+            f'Cannot apply params line {_short(line)!r}: '
+            f'{type(e).__name__}: {_short(str(e))}.') from None
     return self
 
   def TextDiff(self, other: 'Params') -> str:
@@ -224,8 +242,9 @@ class Params:
     for depth, part in enumerate(parts):
       m = _PATH_PART.match(part)
       if not m:
-        raise ParamsError(f'Malformed param path {path!r} at {part!r}: use '
-                          'dotted names with optional [index], e.g. '
+        raise ParamsError(f'Malformed param path {_short(path)!r} at '
+                          f'{_short(part)!r}: use dotted names with optional '
+                          '[index] (at most 9 digits), e.g. '
                           '"layers[2].output_dim".')
       key, indices = m.group(1), [int(i) for i in re.findall(r'\d+',
                                                             m.group(2))]
@@ -238,20 +257,20 @@ class Params:
             f'{_suggest(key, list(node._params))} Defined at this level: '
             f'{", ".join(node._params) or "(none)"}.')
       last = depth == len(parts) - 1
-      if last and len(indices) <= 1:
-        return node, key, (indices[0] if indices else None)
       value = node._params[key].value
       for j, index in enumerate(indices):
         if not isinstance(value, (list, tuple)) or index >= len(value):
           size = len(value) if isinstance(value, (list, tuple)) else 'n/a'
-          raise ParamsError(f'Index [{index}] out of range in {path!r} (list '
-                            f'length {size}).')
+          raise ParamsError(f'Index [{index}] out of range in '
+                            f'{_short(path)!r} (list length {size}).')
         if last and j == len(indices) - 1:
-          raise ParamsError(f'Nested list indices are not settable: {path!r}.')
+          if j:
+            raise ParamsError(f'Nested list indices are not settable: '
+                              f'{path!r}.')
+          return node, key, index
         value = value[index]
-      if value is None and create:
-        value = _OpenParams()  # Keys get defined as the text assigns them.
-        node._SetIndexed(key, indices, value)
+      if last:
+        return node, key, None
       if not isinstance(value, Params):
         raise ParamsError(f'{".".join(done + [part])!r} in path {path!r} is '
                           f'a {type(value).__name__}, not Params.')
@@ -278,37 +297,72 @@ class Params:
       self._SetClassFromText(path[:-len('.cls')], text_value)
       return
     parent, key, index = self._Walk(path, create=True)
+    old, default = parent._OldAndDefault(key, index)
+    if text_value == _BARE_PARAMS:
+      if isinstance(old, Params):
+        return  # Already Params: the lines that follow set its keys.
+      if old is not None or default is not None:
+        raise ParamsError(f'Param {path!r}: {_BARE_PARAMS} cannot replace its '
+                          f'{type(old).__name__} value {old!r}.')
+      parent._SetIndexed(key, [] if index is None else [index], _OpenParams())
+      return
     head = _LIST_HEADER.match(text_value)
     if head:
-      size, kind = int(head.group(2)), head.group(1)
-      old = getattr(parent, key) if index is None else None
-      old = list(old) if isinstance(old, (list, tuple)) else []
-      new = (old + [None] * size)[:size]
-      setattr(parent, key, tuple(new) if kind == 'tuple' else new)
+      parent._SetListFromHeader(path, key, index, head, old, default)
       return
-    old = getattr(parent, key) if index is None else getattr(parent,
-                                                             key)[index]
     suffix = '' if index is None else f'[{index}]'
-    parent.Set(**{key + suffix: params_text.parse_value(text_value, old, path)})
+    parent.Set(**{key + suffix: params_text.parse_value(text_value, old, path,
+                                                        default)})
+
+  def _OldAndDefault(self, key: str, index: int | None) -> tuple[Any, Any]:
+    """The value at key[index] and its default (a list element's: itself)."""
+    if index is None:
+      return self._params[key].value, self._params[key].default
+    element = self._params[key].value[index]
+    return element, element
+
+  def _SetListFromHeader(self, path: str, key: str, index: int | None,
+                         head: re.Match, old: Any, default: Any) -> None:
+    """`x : list(len=N)`: resizes list x (new elements None) to N."""
+    size, kind = int(head.group(2)), head.group(1)
+    if size > params_literal.MAX_ITEMS:
+      raise ParamsError(f'{path} : {head.group(0)}: {size:,} elements exceed '
+                        f'the {params_literal.MAX_ITEMS:,} a params list may '
+                        'have.')
+    if not (isinstance(old, (list, tuple)) or old is None and (
+        default is None)) or index is not None:
+      raise ParamsError(f'Param {path!r}: {head.group(0)} cannot replace its '
+                        f'{type(old).__name__} value {old!r}.')
+    items = list(old) if isinstance(old, (list, tuple)) else []
+    new = (items + [None] * size)[:size]
+    setattr(self, key, tuple(new) if kind == 'tuple' else new)
 
   def _SetClassFromText(self, owner_path: str, text_value: str) -> None:
     """`x.cls : type/...`: (re)builds x from the class's own Params()."""
     new_cls = params_text.parse_value(text_value, type, f'{owner_path}.cls')
     parent, key, index = self._Walk(owner_path, create=True)
-    owner = getattr(parent, key) if index is None else getattr(parent,
-                                                               key)[index]
+    owner, default = parent._OldAndDefault(key, index)
     if isinstance(owner, InstantiableParams) and owner.cls is new_cls:
       return
-    if not hasattr(new_cls, 'Params'):
-      raise ParamsError(f'{owner_path}.cls : {text_value} has no Params() '
-                        'classmethod, so it cannot be a params class.')
+    if not (isinstance(owner, Params) or owner is None and default is None):
+      raise ParamsError(f'{owner_path}.cls : {text_value}: {owner_path} holds '
+                        f'a {type(owner).__name__} ({owner!r}), not Params.')
+    try:
+      new = new_cls.Params()  # type: ignore[union-attr]
+    except Exception as e:  # pylint: disable=broad-except
+      raise ParamsError(f'{owner_path}.cls : {text_value}: {new_cls!r} has no '
+                        f'working Params() classmethod ({type(e).__name__}), '
+                        'so it cannot be a params class.') from None
+    if not isinstance(new, Params):
+      raise ParamsError(f'{owner_path}.cls : {text_value}: its Params() '
+                        f'returned a {type(new).__name__}, not Params.')
     suffix = '' if index is None else f'[{index}]'
-    parent.Set(**{key + suffix: new_cls.Params()})
+    parent.Set(**{key + suffix: new})
 
   def _Flat(self) -> dict[str, str]:
     out: dict[str, str] = {}
-    for name, value in self.IterParams():
-      _flatten(name, value, out)
+    for name, param in self._params.items():
+      _flatten(name, param.value, out, untyped=param.default is None)
     return out
 
 
@@ -337,11 +391,17 @@ def _nested_params(value: Any, path: str) -> Iterator[tuple[str, Params]]:
       yield from _nested_params(item, f'{path}[{i}]')
 
 
+def _short(text: str, limit: int = 120) -> str:
+  return text if len(text) <= limit else text[:limit - 3] + '...'
+
+
 def _copy_value(value: Any) -> Any:
   if isinstance(value, Params):
     return value.Copy()
   if isinstance(value, list):
     return [_copy_value(v) for v in value]
+  if params_text.is_namedtuple(value):
+    return type(value)(*(_copy_value(v) for v in value))
   if isinstance(value, tuple):
     return tuple(_copy_value(v) for v in value)
   if isinstance(value, dict):
@@ -358,14 +418,25 @@ class _OpenParams(Params):
     super().__setattr__(name, value)
 
 
-def _flatten(path: str, value: Any, out: dict[str, str]) -> None:
+def _flatten(path: str, value: Any, out: dict[str, str],
+             untyped: bool = False) -> None:
+  """ToText's lines of `value` at `path` into `out`.
+
+  Params in an untyped slot (a param whose default is None, or a list
+  element) get a line that says what to build there: `x.cls : type/...`
+  for InstantiableParams, `x : Params()` for bare Params. FromText builds
+  Params nowhere else, so `costs.foo : 1` cannot turn a None into Params.
+  """
   if isinstance(value, Params):
-    for name, sub in value.IterParams():
-      _flatten(f'{path}.{name}', sub, out)
+    if untyped and not isinstance(value, InstantiableParams):
+      out[path] = _BARE_PARAMS
+    for name, param in value._params.items():
+      _flatten(f'{path}.{name}', param.value, out,
+               untyped=param.default is None)
   elif isinstance(value, (list, tuple)) and any(
       isinstance(v, Params) for v in value):
     out[path] = f'{type(value).__name__}(len={len(value)})'
     for i, item in enumerate(value):
-      _flatten(f'{path}[{i}]', item, out)
+      _flatten(f'{path}[{i}]', item, out, untyped=True)
   else:
     out[path] = params_text.value_to_text(path, value)

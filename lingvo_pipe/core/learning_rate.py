@@ -24,30 +24,40 @@ import math
 
 import tensorflow as tf
 
+from lingvo_pipe import errors
 from lingvo_pipe.core.hyperparams import Params
 
 SCHEDULES = ('constant', 'exponential', 'cosine', 'rsqrt')
 
 
-class ScheduleError(ValueError):
+class LearningRateError(errors.LingvoPipeError):
   """Training params that define no valid schedule."""
 
 
 def validate(train: Params) -> None:
-  """Checks `task.train`'s schedule fields; raises ScheduleError naming one."""
+  """Checks `task.train`'s schedule fields; raises LearningRateError."""
+  if not 0 < train.learning_rate < math.inf:
+    raise LearningRateError(
+        f'task.train.learning_rate must be finite and > 0, got '
+        f'{train.learning_rate}; e.g. 1e-3.')
   if train.lr_schedule not in SCHEDULES:
-    raise ScheduleError(
+    raise LearningRateError(
         f'task.train.lr_schedule is {train.lr_schedule!r}; use one of '
         f'{", ".join(SCHEDULES)}.')
   if train.lr_warmup_steps < 0:
-    raise ScheduleError(f'task.train.lr_warmup_steps must be ≥ 0, got '
-                        f'{train.lr_warmup_steps}.')
+    raise LearningRateError(f'task.train.lr_warmup_steps must be ≥ 0, got '
+                            f'{train.lr_warmup_steps}.')
+  if train.lr_schedule == 'exponential' and not (
+      0 < train.lr_decay_rate < math.inf):
+    raise LearningRateError(f'task.train.lr_decay_rate must be finite and '
+                            f'> 0, got {train.lr_decay_rate}.')
   if train.lr_schedule == 'exponential' and train.lr_decay_steps <= 0:
-    raise ScheduleError(f'task.train.lr_decay_steps must be > 0 for the '
-                        f'exponential schedule, got {train.lr_decay_steps}.')
+    raise LearningRateError(f'task.train.lr_decay_steps must be > 0 for the '
+                            f'exponential schedule, got '
+                            f'{train.lr_decay_steps}.')
   if (train.lr_schedule == 'cosine' and
       train.max_steps <= train.lr_warmup_steps):
-    raise ScheduleError(
+    raise LearningRateError(
         f'The cosine schedule decays from task.train.lr_warmup_steps '
         f'({train.lr_warmup_steps}) to task.train.max_steps '
         f'({train.max_steps}); make max_steps larger than the warm-up.')

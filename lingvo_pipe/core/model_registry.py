@@ -32,6 +32,7 @@ import difflib
 import importlib
 import pkgutil
 
+from lingvo_pipe import errors
 from lingvo_pipe.core import base_model
 from lingvo_pipe.core.hyperparams import Params
 
@@ -42,7 +43,7 @@ DATASETS = ('Train', 'Dev', 'Test')
 _MODELS: dict[str, type[base_model.SingleTaskModelParams]] = {}
 
 
-class ModelRegistryError(LookupError):
+class ModelRegistryError(errors.LingvoPipeError, LookupError):
   """An unknown or ill-formed model name, or a clash between two models."""
 
 

@@ -40,12 +40,13 @@ from typing import Sequence
 
 import tensorflow as tf
 
+from lingvo_pipe import errors
 from lingvo_pipe.core.hyperparams import Params
 
 OPTIMIZERS = ('sgd', 'adam', 'rmsprop')
 
 
-class OptimizerError(ValueError):
+class OptimizerError(errors.LingvoPipeError):
   """Bad optimizer params or variables; the message names the param."""
 
 

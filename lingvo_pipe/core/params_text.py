@@ -1,33 +1,64 @@
-"""Params values as text: `ToText`'s format and the parser behind `FromText`.
+"""Params values as text: `ToText`'s format and the type rule of `FromText`.
 
-A value is written as the Python literal it is, with two extensions that a
-literal cannot express: dtypes as `tf.float32` and classes as
-`type/package.module.Class`. Parsing reads the text as a Python expression
-and evaluates only literals, `inf`/`nan`, those two forms, and containers of
-them — nothing in a params file is ever executed — then checks the result
-against the type of the value it replaces, so a typo in an override fails
-with the key, the text and the expected type instead of changing a model.
+A value is written as the Python literal it is, with extensions that a
+literal cannot express: dtypes as `tf.float32`, classes as
+`type/package.module.Class`, and namedtuples as a dict of their fields (as
+Lingvo writes them). `params_literal.parse` reads a value back without
+running anything; `parse_value` then applies the type rule:
+
+    a value keeps the type of the value it replaces.
+
+So a typo in an override fails with the key, the text and the expected type
+instead of changing a model. The rule's exceptions, each for a reason:
+
+- a param whose default is None holds anything (None says nothing about its
+  type), so texts of any tree round-trip into one with None defaults;
+- an int is accepted for a float (`learning_rate : 1`);
+- a str param takes an unquoted word as that string (`optimizer : adam`) and
+  a list of strings (`activation : ['RELU', 'NONE']`), as Lingvo does;
+- a bool param takes Lingvo's `true`/`false`, a dtype param its bare name
+  (`float32`, `bool`), a namedtuple param a tuple or a dict of its fields;
+- list and tuple are one kind: the text says which (`[1]` or `(1,)`, like
+  `list(len=N)` or `tuple(len=N)`), so every value round-trips;
+- None replaces a value only where the default is None (or the value is
+  None already): `learning_rate : None` is an error, not a crash later.
+
+Keys never grow under a None: a None becomes Params only by a line that
+says which, `x.cls : type/...` or `x : Params()` (ToText writes them for
+Params in untyped slots), so `task.pipeline.costs.foo : 1` is an error.
 """
 
 from __future__ import annotations
 
-import ast
-import importlib
-import math
+import re
 from typing import Any
 
 import tensorflow as tf
 
+from lingvo_pipe.core import params_literal
+from lingvo_pipe.core.params_literal import ParamsError
 
-class ParamsError(AttributeError):
-  """A key, path or value that the Params tree does not accept."""
+__all__ = ['ParamsError', 'is_namedtuple', 'parse_value', 'split_lines',
+           'value_to_text']
+
+# What a user meant as a value, never as a bare word: a number ('-1.5',
+# '.5'), a container or quoted string, a list header, a class or a dtype.
+_LITERAL_START = re.compile(
+    r'^([\[({\'"]|[+-]*(\d|\.\d)|(list|tuple)\(|type/|tf\.)')
+
+
+def is_namedtuple(value: Any) -> bool:
+  return isinstance(value, tuple) and hasattr(type(value), '_fields')
 
 
 def value_to_text(path: str, value: Any) -> str:
+  """`value` as FromText reads it back (see the module docstring)."""
   if isinstance(value, tf.DType):
     return f'tf.{value.name}'
   if isinstance(value, type):
     return f'type/{value.__module__}.{value.__qualname__}'
+  if is_namedtuple(value):
+    value = dict(zip(type(value)._fields, value))
   if isinstance(value, (list, tuple)):
     inner = ', '.join(value_to_text(path, v) for v in value)
     if isinstance(value, tuple):
@@ -48,71 +79,6 @@ def value_to_text(path: str, value: Any) -> str:
       'function).')
 
 
-_NAMES = {'None': None, 'True': True, 'False': False, 'inf': math.inf,
-          'nan': math.nan}
-
-
-def _parse_text(text: str) -> Any:
-  """Reads ToText's values: literals, inf, nan, tf.<dtype>, type/<class>.
-
-  They may nest anywhere (a dict of dtypes, a list with inf). Only these
-  node kinds of the parsed expression are evaluated; nothing in it runs.
-  """
-  return _eval(ast.parse(text.strip(), mode='eval').body)
-
-
-def _eval(node: ast.AST) -> Any:
-  if isinstance(node, ast.Constant):
-    return node.value
-  if isinstance(node, ast.Name) and node.id in _NAMES:
-    return _NAMES[node.id]
-  if isinstance(node, (ast.List, ast.Tuple)):
-    items = [_eval(e) for e in node.elts]
-    return items if isinstance(node, ast.List) else tuple(items)
-  if isinstance(node, ast.Dict) and None not in node.keys:
-    return {_eval(k): _eval(v) for k, v in zip(node.keys, node.values)}
-  if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
-    value = _eval(node.operand)
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-      return -value
-  dotted = _dotted(node)
-  if dotted and dotted.startswith('tf.'):
-    return tf.as_dtype(dotted[3:])
-  if (isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div) and
-      _dotted(node.left) == 'type' and _dotted(node.right)):
-    return _import_class(_dotted(node.right))
-  raise ValueError(f'{ast.unparse(node)!r} is not a value that ToText writes')
-
-
-def _dotted(node: ast.AST) -> str:
-  """'a.b.c' for an attribute chain of names, else ''."""
-  if isinstance(node, ast.Name):
-    return node.id
-  if isinstance(node, ast.Attribute):
-    head = _dotted(node.value)
-    return f'{head}.{node.attr}' if head else ''
-  return ''
-
-
-def _import_class(dotted: str) -> type:
-  """The class at 'module.Outer.Inner' (longest importable module prefix)."""
-  parts = dotted.split('.')
-  for cut in range(len(parts) - 1, 0, -1):
-    module = '.'.join(parts[:cut])
-    try:
-      obj: Any = importlib.import_module(module)
-    except ModuleNotFoundError as e:
-      if e.name and not (module + '.').startswith(e.name + '.'):
-        raise  # The module exists but one of *its* imports is missing.
-      continue
-    for attr in parts[cut:]:
-      obj = getattr(obj, attr)
-    if not isinstance(obj, type):
-      raise TypeError(f'{dotted} is a {type(obj).__name__}, not a class')
-    return obj
-  raise ImportError(f'no module of {dotted!r} can be imported')
-
-
 def split_lines(text: str) -> list[str]:
   """Splits at newlines, and at ';' outside quoted strings and comments.
 
@@ -120,14 +86,14 @@ def split_lines(text: str) -> list[str]:
   apostrophe of an unquoted `it's` does not. A line starting with '#' is a
   comment up to the newline.
   """
-  lines, cur, quote, escaped, prev = [], '', '', False, ':'
+  lines, cur, quote, escaped, prev = [], [], '', False, ':'
   for ch in text:
     if ch == '\n' or (ch == ';' and not quote and
-                      not cur.lstrip().startswith('#')):
-      lines.append(cur)
-      cur, quote, escaped, prev = '', '', False, ':'
+                      not ''.join(cur).lstrip().startswith('#')):
+      lines.append(''.join(cur))
+      cur, quote, escaped, prev = [], '', False, ':'
       continue
-    cur += ch
+    cur.append(ch)
     if quote:
       if ch == quote and not escaped:
         quote = ''
@@ -135,49 +101,109 @@ def split_lines(text: str) -> list[str]:
     elif ch in '\'"' and prev in '[({,:':
       quote = ch
     prev = prev if ch.isspace() else ch
-  return lines + [cur]
+  return lines + [''.join(cur)]
 
 
-def parse_value(text: str, old: Any, path: str) -> Any:
-  """Parses `text` into the type of `old` (the value it replaces)."""
+def _looks_like_a_literal(text: str) -> bool:
+  """Text a user meant as a number or container, never as a bare word."""
+  return bool(_LITERAL_START.match(text))
+
+
+def parse_value(text: str, old: Any, path: str, default: Any = None) -> Any:
+  """Parses `text` into the type of `old` (the value it replaces).
+
+  Args:
+    text: The value's text.
+    old: The value it replaces (its type is the expected type).
+    path: The param's path, for messages.
+    default: The param's default (None: the param may hold anything).
+
+  Raises:
+    ParamsError: naming the path, the text and the expected type.
+  """
+  kind = 'a value' if old is None else type(old).__name__
+  if len(text) > params_literal.MAX_VALUE_CHARS:
+    raise ParamsError(f'Cannot parse {path} : {_shown(text)}: its '
+                      f'{len(text):,} characters exceed the '
+                      f'{params_literal.MAX_VALUE_CHARS:,} a value may have.')
   try:
-    value = _parse_text(text)
-  except (ValueError, SyntaxError, ImportError, AttributeError,
-          TypeError) as e:
-    if isinstance(old, str) or (old is None and
-                                not text.startswith(tuple('[({\'"'))):
-      return text  # An unquoted string, as users type on the command line.
-    kind = 'a value' if old is None else type(old).__name__
-    reason = str(e).rstrip('.')
-    raise ParamsError(f'Cannot parse {path} : {text!r} as {kind}: '
-                      f'{reason}.') from None
-  if old is None or value is None:
-    return value
-  if isinstance(old, bool):
-    ok = isinstance(value, bool)
-  elif isinstance(old, int):
-    ok = isinstance(value, int) and not isinstance(value, bool)
-  elif isinstance(old, float):
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-    value = float(value) if ok else value
-  elif isinstance(old, str):
-    ok = isinstance(value, str)
-    if not ok:
-      value, ok = text, True  # e.g. 'adam' typed without quotes
-  elif isinstance(old, tf.DType):
-    ok = isinstance(value, tf.DType)
-  elif isinstance(old, type):
-    ok = isinstance(value, type)
-  elif isinstance(old, (list, tuple)):
-    ok = isinstance(value, (list, tuple))
-    if ok:
-      value = type(old)(value)
-  elif isinstance(old, dict):
-    ok = isinstance(value, dict)
-  else:
-    ok = True
-  if not ok:
+    value = params_literal.parse(text)
+  except ParamsError as e:
+    word = _as_word(text, old)
+    if word is not None:
+      return word
+    raise ParamsError(f'Cannot parse {path} : {_shown(text)} as {kind}: '
+                      f'{e}.') from None
+  if value is None:
+    if old is None or default is None:
+      return None
     raise ParamsError(
-        f'Param {path!r}: text {text!r} is a {type(value).__name__}, '
+        f'Param {path!r}: None cannot replace its {type(old).__name__} value '
+        f'{old!r} (its default is {default!r}); give a '
+        f'{type(old).__name__}.')
+  if old is None:
+    return value
+  converted = _convert(value, old, text)
+  if converted is _MISMATCH:
+    raise ParamsError(
+        f'Param {path!r}: text {_shown(text)} is a {type(value).__name__}, '
         f'expected {type(old).__name__} (current value {old!r}).')
+  return converted
+
+
+_MISMATCH = object()
+
+
+def _shown(text: str) -> str:
+  return repr(text if len(text) <= 200 else text[:197] + '...')
+
+
+def _as_word(text: str, old: Any) -> Any:
+  """An unquoted string (`adam`) or dtype name (`bool`), where allowed."""
+  if isinstance(old, str) or (old is None and not _looks_like_a_literal(text)):
+    return text
+  if isinstance(old, tf.DType):
+    try:
+      return tf.as_dtype(text.strip())  # 'bool', 'string', 'half'
+    except TypeError:
+      pass
+  return None
+
+
+def _convert(value: Any, old: Any, text: str) -> Any:
+  """`value` as the type of `old`, or _MISMATCH."""
+  if isinstance(old, bool):
+    return value if isinstance(value, bool) else _MISMATCH
+  if isinstance(old, int):
+    ok = isinstance(value, int) and not isinstance(value, bool)
+    return value if ok else _MISMATCH
+  if isinstance(old, float):
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    return float(value) if ok else _MISMATCH
+  if isinstance(old, str):
+    if isinstance(value, str):
+      return value
+    if isinstance(value, list) and all(isinstance(v, str) for v in value):
+      return value  # Lingvo: a str param may hold a list of strings.
+    return text.strip()  # e.g. 'adam' or '123' typed without quotes
+  if isinstance(old, tf.DType):
+    return value if isinstance(value, tf.DType) else _MISMATCH
+  if isinstance(old, type):
+    return value if isinstance(value, type) else _MISMATCH
+  if is_namedtuple(old):
+    return _namedtuple(value, type(old))
+  if isinstance(old, (list, tuple)):  # The text says which (round trips).
+    return value if isinstance(value, (list, tuple)) else _MISMATCH
+  if isinstance(old, dict):
+    return value if isinstance(value, dict) else _MISMATCH
   return value
+
+
+def _namedtuple(value: Any, cls: type) -> Any:
+  """A `cls` from a tuple of its fields in order, or a dict by field name."""
+  fields = list(cls._fields)  # type: ignore[attr-defined]
+  if isinstance(value, dict) and sorted(map(str, value)) == sorted(fields):
+    return cls(**{str(k): v for k, v in value.items()})
+  if isinstance(value, (list, tuple)) and len(value) == len(fields):
+    return cls(*value)
+  return _MISMATCH

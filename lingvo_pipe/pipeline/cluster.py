@@ -42,6 +42,8 @@ import sys
 import time
 from typing import Sequence
 
+from lingvo_pipe import errors
+
 _JOB = 'worker'
 CLIENT_DEVICE = '/job:localhost/replica:0/task:0/device:CPU:0'
 
@@ -52,7 +54,7 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
-class ClusterError(RuntimeError):
+class ClusterError(errors.LingvoPipeError, RuntimeError):
   """A worker failed to start; the message includes its log."""
 
 

@@ -63,6 +63,8 @@ from typing import Any, Iterable, Sequence
 
 import tensorflow as tf
 
+from lingvo_pipe import errors
+
 Key = tuple  # Of str/int; both sides of a transfer build it alike.
 
 _NATIVE = (tf.bool, tf.float16, tf.float32, tf.float64, tf.int32, tf.int64)
@@ -72,7 +74,7 @@ _MAX_BITMASK_TASKS = 30  # Group keys are int32: a bitmask up to 30 tasks.
 _OP_NAME = re.compile(r'\blp_([a-z_]+?)_g(\d+)_i(\d+)')
 
 
-class CollectiveError(RuntimeError):
+class CollectiveError(errors.LingvoPipeError, RuntimeError):
   """A collective could not be built, or failed; names the key and peer."""
 
 

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import tensorflow as tf
 
+from lingvo_pipe import errors
 
-class DeviceError(RuntimeError):
+
+class DeviceError(errors.LingvoPipeError, RuntimeError):
   """Devices asked for do not exist; the message says how to get them."""
 
 

@@ -60,6 +60,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Sequence
 
+from lingvo_pipe import errors
 from lingvo_pipe.pipeline import partitioner
 from lingvo_pipe.pipeline import simulator
 from lingvo_pipe.pipeline.partitioner import format_quantity
@@ -75,7 +76,7 @@ COMPONENTS = ('parameters', 'gradients', 'optimizer_slots', 'activations',
            'workspace', 'io')
 
 
-class PreflightError(ValueError):
+class PreflightError(errors.LingvoPipeError):
   """Arguments the memory model cannot use; the message names the fix."""
 
 

@@ -13,8 +13,10 @@ from typing import Any
 
 import tensorflow as tf
 
+from lingvo_pipe import errors
 
-class MicroBatchError(ValueError):
+
+class MicroBatchError(errors.LingvoPipeError):
   """The batch cannot be split as asked; the message names the fix."""
 
 

@@ -36,6 +36,8 @@ from typing import Sequence
 
 import numpy as np
 
+from lingvo_pipe import errors
+
 __all__ = [
     'PartitionError', 'PartitionReport', 'StageSummary', 'check_boundaries',
     'bubble_fraction', 'check_split_points', 'format_quantity', 'format_table',
@@ -43,7 +45,7 @@ __all__ = [
 ]
 
 
-class PartitionError(ValueError):
+class PartitionError(errors.LingvoPipeError):
   """Costs, stage counts or boundaries that cannot define a partition."""
 
 

@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import dataclasses
 
+from lingvo_pipe import errors
 from lingvo_pipe.pipeline import collective
 
 _PEERS = [collective.Peers.local()]
 
 
-class PlacementError(ValueError):
+class PlacementError(errors.LingvoPipeError):
   """A cluster whose size does not fit the pipeline; names the fix."""
 
 

@@ -25,6 +25,7 @@ from typing import Any
 
 import tensorflow as tf
 
+from lingvo_pipe import errors
 from lingvo_pipe.core import base_layer
 from lingvo_pipe.pipeline import memory
 from lingvo_pipe.pipeline import microbatch
@@ -36,7 +37,7 @@ from lingvo_pipe.pipeline import simulator
 __all__ = ['Plan', 'PlanError', 'layer_metas', 'make_plan']
 
 
-class PlanError(ValueError):
+class PlanError(errors.LingvoPipeError):
   """Pipeline params that cannot be planned; the message names the fix."""
 
 

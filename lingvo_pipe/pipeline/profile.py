@@ -49,6 +49,7 @@ from typing import Any, Callable, Sequence
 
 import tensorflow as tf
 
+from lingvo_pipe import errors
 from lingvo_pipe.core import fprop_context
 from lingvo_pipe.core.fprop_context import StatsCollector
 from lingvo_pipe.pipeline import devices as devices_lib
@@ -65,7 +66,7 @@ CLOCKS: dict[str, Callable[[], float]] = {'wall': time.perf_counter,
 DEFAULT_BYTES_PER_SECOND = 1e10
 
 
-class ProfileError(ValueError):
+class ProfileError(errors.LingvoPipeError):
   """Arguments a profiling pass cannot use; the message names the fix."""
 
 

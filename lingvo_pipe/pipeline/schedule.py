@@ -35,6 +35,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, Iterator, NamedTuple, Sequence
 
+from lingvo_pipe import errors
+
 __all__ = [
     'Op', 'RECOMPUTE_POLICIES', 'SCHEDULES', 'Schedule', 'ScheduleError',
     'check_schedule', 'clock_cycles', 'dependencies', 'emission_order',
@@ -46,7 +48,7 @@ RECOMPUTE_POLICIES = ('always', 'except_last', 'never')
 SCHEDULES = ('gpipe', '1f1b', 'interleaved')
 
 
-class ScheduleError(ValueError):
+class ScheduleError(errors.LingvoPipeError):
   """A schedule that is malformed, or that cannot run to completion."""
 
 

@@ -32,6 +32,7 @@ import math
 import numbers
 from typing import NamedTuple, Sequence
 
+from lingvo_pipe import errors
 from lingvo_pipe.pipeline import partitioner
 from lingvo_pipe.pipeline import schedule as schedule_lib
 from lingvo_pipe.pipeline.partitioner import format_quantity
@@ -40,7 +41,7 @@ __all__ = ['Event', 'SimResult', 'SimulationError', 'StageCost', 'simulate',
            'stage_costs_from_layers']
 
 
-class SimulationError(ValueError):
+class SimulationError(errors.LingvoPipeError):
   """Stage costs or step settings the simulator cannot use."""
 
 

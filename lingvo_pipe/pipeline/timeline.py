@@ -34,6 +34,7 @@ from typing import Any, Callable, Iterable, NamedTuple, Sequence
 
 import tensorflow as tf
 
+from lingvo_pipe import errors
 from lingvo_pipe.core import fprop_context
 from lingvo_pipe.pipeline import simulator
 
@@ -47,7 +48,7 @@ _COLORS = {'F': '#4C72B0', 'R': '#DD8452', 'B': '#55A868'}
 _NAMES = {'F': 'forward', 'R': 'recompute', 'B': 'backward'}
 
 
-class TimelineError(ValueError):
+class TimelineError(errors.LingvoPipeError):
   """Records or settings that cannot be drawn; the message says the fix."""
 
 

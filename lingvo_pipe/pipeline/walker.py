@@ -16,6 +16,7 @@ from typing import Any, Callable, Sequence
 
 import tensorflow as tf
 
+from lingvo_pipe import errors
 from lingvo_pipe.core import fprop_context
 from lingvo_pipe.core.fprop_context import StatsCollector
 from lingvo_pipe.pipeline import placement as placement_lib
@@ -26,7 +27,7 @@ from lingvo_pipe.pipeline.stage_ops import Stage, chained, float_leaves
 Specs = Callable[[int], Any]  # Stage s → per-micro-batch spec of its input.
 
 
-class WalkerError(ValueError):
+class WalkerError(errors.LingvoPipeError):
   """A stage list or placement the walker cannot run; names the fix."""
 
 

@@ -50,6 +50,7 @@ import dataclasses
 
 import tensorflow as tf
 
+from lingvo_pipe import errors
 from lingvo_pipe.core import base_layer
 from lingvo_pipe.core.hyperparams import InstantiableParams, Params
 from lingvo_pipe.core.nested_map import NestedMap
@@ -284,7 +285,7 @@ class HeadLayer(base_layer.BaseLayer):
 
 
 # ---- The network as a layer list --------------------------------------------
-class AmoebaNetError(ValueError):
+class AmoebaNetError(errors.LingvoPipeError):
   """Network Params that cannot make an AmoebaNet; names the key and fix."""
 
 

@@ -30,6 +30,7 @@ from typing import Any, Callable
 
 import tensorflow as tf
 
+from lingvo_pipe import errors
 from lingvo_pipe.core.nested_map import NestedMap
 from lingvo_pipe.tasks.mt import layers as mt_layers
 from lingvo_pipe.tasks.mt import vocab
@@ -38,7 +39,7 @@ StepFn = Callable[[tf.Tensor, tf.Tensor, Any], tuple[tf.Tensor, Any]]
 _NEG = -1.0e9  # Finite "minus infinity": keeps arithmetic free of NaN.
 
 
-class DecodeError(ValueError):
+class DecodeError(errors.LingvoPipeError):
   """A layer list or search setting that cannot be decoded."""
 
 

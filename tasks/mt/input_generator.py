@@ -139,6 +139,10 @@ class BibleTranslationInput(base_input_generator.InMemoryInputGenerator):
   def is_training(self) -> bool:
     return self.params.split == 'train'
 
+  def TrainBatchSizes(self) -> list[int]:
+    """One per length bucket, or [batch_size] without buckets."""
+    return list(self.params.bucket_batch_sizes) or [self.params.batch_size]
+
   def _Texts(self) -> tuple[list[str], list[str]]:
     p = self.params
     if p.tsv_path:

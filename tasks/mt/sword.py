@@ -28,6 +28,7 @@ import re
 import struct
 import zlib
 
+from lingvo_pipe import errors
 from lingvo_pipe.tasks.mt import versification
 from lingvo_pipe.tasks.mt.versification import VerseRef
 
@@ -35,7 +36,7 @@ _BLOCK = struct.Struct('<III')  # offset, compressed size, raw size
 _SLOT = struct.Struct('<IIH')  # block, offset in the raw block, size
 
 
-class SwordFormatError(ValueError):
+class SwordFormatError(errors.LingvoPipeError):
   """A module's files are not the zText layout this reader understands."""
 
 

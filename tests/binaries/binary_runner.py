@@ -1,5 +1,6 @@
 """Runs the trainer and evaler binaries as a user does: as subprocesses."""
 
+import hashlib
 import os
 import subprocess
 import sys
@@ -60,13 +61,16 @@ def run_many(commands, parallel=4, timeout=300):
 
 
 def tree(path):
-  """{relative path: (size, mtime_ns)} of every file under `path`."""
+  """{relative path: (sha256, mtime_ns)} of every file and dir under `path`."""
   out = {}
-  for root, _, files in os.walk(path):
+  for root, dirs, files in os.walk(path):
+    for name in dirs:
+      out[os.path.relpath(os.path.join(root, name), path) + '/'] = 'dir'
     for name in files:
       full = os.path.join(root, name)
-      st = os.stat(full)
-      out[os.path.relpath(full, path)] = (st.st_size, st.st_mtime_ns)
+      with open(full, 'rb') as f:
+        digest = hashlib.sha256(f.read()).hexdigest()
+      out[os.path.relpath(full, path)] = (digest, os.stat(full).st_mtime_ns)
   return out
 
 

@@ -63,5 +63,5 @@ def test_tensor_step_equals_int_step():
      'max_steps'),
 ])
 def test_invalid_params_name_the_key(override, key):
-  with pytest.raises(learning_rate.ScheduleError, match=key):
+  with pytest.raises(learning_rate.LearningRateError, match=key):
     learning_rate.validate(_train(**override))

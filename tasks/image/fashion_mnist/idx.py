@@ -19,10 +19,12 @@ import zlib
 
 import numpy as np
 
+from lingvo_pipe import errors
+
 _UBYTE = 0x08  # The only IDX element type (M)NIST uses.
 
 
-class IdxFormatError(ValueError):
+class IdxFormatError(errors.LingvoPipeError):
   """A file is not a well-formed IDX file of the expected kind."""
 
 
