@@ -32,7 +32,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import IO, Sequence
+from typing import IO, Callable, Sequence
 
 from absl import app
 from absl import flags
@@ -175,20 +175,22 @@ class Launcher:
       self.send_signal(signal.SIGKILL)
 
 
-def _preexec(core: int | None):
+def _preexec(core: int | None) -> Callable[[], None]:
   """Runs in each task between fork and exec: pin, die with the launcher.
 
-  Only safe while the launcher has no other threads, hence start()'s order.
+  Only safe while the launcher has no other threads, hence start()'s order;
+  libc is loaded here, before the fork, not in the child.
   """
+  try:
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+  except (OSError, AttributeError):
+    prctl = None  # Not Linux: stop() by PID still runs.
 
   def _setup() -> None:
     if core is not None:
       os.sched_setaffinity(0, {core})
-    try:
-      ctypes.CDLL('libc.so.6', use_errno=True).prctl(_PR_SET_PDEATHSIG,
-                                                     signal.SIGKILL)
-    except (OSError, AttributeError):
-      pass  # Not Linux: stop() by PID still runs.
+    if prctl is not None:
+      prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
   return _setup
 

@@ -100,8 +100,9 @@ def cluster_from(cluster_spec: str = '', job: str = DEFAULT_JOB,
     return None
   if set(jobs) != {job}:
     raise ClusterError(
-        f'{where} has jobs {sorted(jobs)}; lingvo_pipe runs one job of '
-        f'identical processes: list every task under {job!r}.')
+        f'{where} has jobs {sorted(jobs)} (this task: {job!r}); lingvo_pipe '
+        'runs one job of identical processes: list every task under '
+        f'{DEFAULT_JOB!r}.')
   addresses = jobs[job]
   if not 0 <= task < len(addresses):
     raise ClusterError(f'{where}: task {task} is out of range; job {job!r} '
@@ -198,9 +199,11 @@ class Runtime:
       return False
     if isinstance(exc, Exception):
       self.watchdog.exit_if_peer_dead(cause=exc)
-      line = self.peers.explain(exc)
-      if line:
-        raise collective.CollectiveError(line) from None
+    # Peers see this task leave; its own error is the one to report.
+    self.watchdog.stop()
+    line = self.peers.explain(exc)
+    if line:
+      raise collective.CollectiveError(line) from None
     return False
 
   def shutdown(self) -> None:

@@ -11,7 +11,8 @@ Scenarios (each prints `READY` once started, results as `RESULT <json>`):
   one_f_one_b: 1F1B order on 4 micro-batches (forwards and backwards
     interleaved), each recv posted behind the previous op of its task and
     no op waiting on a send: the pattern that deadlocks if sends are
-    ordered like the other ops (each task would wait on the other's recv).
+    ordered like the other ops (each task would wait on the other's recv);
+    then an all-reduce (sum of task + 1 over all tasks).
   mismatch: task 0 waits for key ('F', 0, 0), task 1 sends ('F', 0, 1).
   steps: a barrier every 0.1 s for ever (to be killed); on SIGTERM it
     prints `SIGTERM <task>` and exits 0.
@@ -111,11 +112,14 @@ def _one_f_one_b(peers, num_micro_batches=4) -> None:
         grads.append(g[0])
         if s > 0:
           tokens.append(peers.send(g, s - 1, ('B', s, m)))
+    total = peers.all_reduce([tf.fill([2], float(s + 1))], range(k), ('sum',))
     peers.barrier(after=tokens + prev)
-    return tf.stack(grads)
+    return tf.stack(grads), total[0]
 
   for _ in range(2):
-    _say('RESULT', json.dumps({'grads': step().numpy().tolist()}))
+    grads, total = step()
+    _say('RESULT', json.dumps({'grads': grads.numpy().tolist(),
+                               'sum': total.numpy().tolist()}))
 
 
 def _mismatch(peers) -> None:

@@ -54,7 +54,9 @@ def test_two_tasks_run_1f1b_to_the_end_with_prefixed_logs():
               0: [4.0 * (m + 2) for m in range(4)]}
   for task in (0, 1):
     results = re.findall(rf'^\[task {task}\] RESULT (.*)$', run.stdout, re.M)
-    assert [json.loads(r)['grads'] for r in results] == [expected[task]] * 2
+    results = [json.loads(r) for r in results]
+    assert [r['grads'] for r in results] == [expected[task]] * 2
+    assert [r['sum'] for r in results] == [[3.0, 3.0]] * 2  # 1 + 2.
     assert f'[task {task}] DONE {task}' in run.stdout
   assert re.search(r'2 stage\(s\) × 1 replica\(s\): tasks 0..1 on '
                    r'127.0.0.1:\d+, 127.0.0.1:\d+', run.stderr)

@@ -37,7 +37,7 @@ def test_the_cluster_comes_from_flags_first_then_tf_config():
     (dict(cluster_spec='worker=h1:5'), r'needs --task'),
     (dict(cluster_spec='worker=h1:5', task=1), r'task 1 is out of range'),
     (dict(cluster_spec='ps=h0:1@worker=h1:5', task=0),
-     r"jobs \['ps', 'worker'\].*one job"),
+     r"jobs \['ps', 'worker'\] .*one job"),
     (dict(environ={'TF_CONFIG': '{"cluster": {}}'}), r'TF_CONFIG=.* cannot be'),
 ])
 def test_a_bad_cluster_is_one_named_error(kwargs, match):
