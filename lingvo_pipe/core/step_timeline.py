@@ -1,7 +1,7 @@
 """The trainer's `--timeline_steps`: pictures of real training steps.
 
-At each chosen step the trainer runs that step through a second compiled
-step function, the same training step with `fprop_context.scope(timeline=
+At each chosen step (and the step before it, to warm the function up) the
+trainer runs that step through a second compiled step function, the same training step with `fprop_context.scope(timeline=
 [...])` open, so the pipeline engine brackets every forward, recompute and
 backward with `tf.timestamp()`. The step's update is applied as always; the
 function only returns the timestamps as well. From them it writes, under
@@ -11,11 +11,15 @@ function only returns the timestamps as well. From them it writes, under
   with the measured step and the simulator's prediction for it;
 * `step_<s>.png`: the same as a Gantt chart (needs `lingvo_pipe[plots]`).
 
+TensorFlow refuses `tf.timestamp` under op determinism (the trainer's
+--deterministic), so a recorded step runs with it switched off; on CPU the
+step's update is still the same, bit for bit (tests check it).
+
 The prediction is `simulator.simulate` on stage costs calibrated from this
 step's own median op durations (`timeline.calibrated_costs`), so the two
 panels differ where the real step leaves the schedule (transfers, dispatch
-gaps). Tracing the second function costs about as much as the first step;
-pick a step after the first one, whose time includes one-off start-up work.
+gaps). Tracing the second function costs about as much as the first step.
+Step 1 cannot be warmed up and shows one-off start-up work.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from typing import Any, Callable, Sequence
 
 from absl import logging
 import tensorflow as tf
+from tensorflow.python.framework import config as tf_config  # pylint: disable=g-direct-tensorflow-import
 
 from lingvo_pipe import extras
 from lingvo_pipe.core import gpipe
@@ -47,6 +52,18 @@ def _pipeline_of(task: Any) -> gpipe.PipeliningLayer:
       'has no PipeliningLayer; drop --timeline_steps.')
 
 
+def _without_op_determinism(fn: Callable[..., Any], *args: Any) -> Any:
+  """`fn(*args)` with TF op determinism off: under it `tf.timestamp` fails."""
+  was_on = tf_config.is_op_determinism_enabled()
+  if was_on:
+    tf_config.disable_op_determinism()
+  try:
+    return fn(*args)
+  finally:
+    if was_on:
+      tf.config.experimental.enable_op_determinism()
+
+
 class TimelineSteps:
   """Records the training steps in `steps` (1-based, as the progress line
   counts them) and writes their pictures into `<logdir>/timeline/`."""
@@ -67,7 +84,10 @@ class TimelineSteps:
     self._fn = tf.function(self._recorded_step, autograph=False)
 
   def wants(self, step: int) -> bool:
-    return step in self._steps
+    """Whether step `step` runs recorded: a chosen step, or the one before
+    it (a compiled function's first run pays one-off costs, ~100 ms gaps
+    between ops, so the chosen step gets a warmed-up function)."""
+    return step in self._steps or step + 1 in self._steps
 
   def _recorded_step(self, batch: Any) -> tuple[Any, ...]:
     ops: list[Any] = []
@@ -80,10 +100,12 @@ class TimelineSteps:
   def run(self, step: int, batch: Any) -> tuple[Any, ...]:
     """Runs training step `step` recorded; writes its files; returns the
     train step's outputs."""
-    *outputs, stamps = self._fn(batch)
+    *outputs, stamps = _without_op_determinism(self._fn, batch)
     records = [timeline.Record(k, m, kind, float(s), float(e))
                for (k, m, kind), (s, e) in zip(self._keys, stamps.numpy())]
-    if records:
+    if step not in self._steps:
+      pass  # The warm-up run before a chosen step.
+    elif records:
       self._write(step, timeline.normalized(records))
     else:  # Inference-only or K=1 paths record nothing.
       logging.warning('Step %d recorded no pipeline ops; nothing written.',
