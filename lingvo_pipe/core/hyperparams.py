@@ -9,8 +9,7 @@ logdir and refuses to resume under different params, printing `TextDiff`.
 
 >>> p = Params()
 >>> p.Define('learning_rate', 0.1, 'Peak learning rate.')
->>> p.Set(learning_rate=0.2)
->>> p.learning_rate
+>>> p.Set(learning_rate=0.2).learning_rate
 0.2
 """
 
