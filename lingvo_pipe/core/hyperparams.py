@@ -200,7 +200,7 @@ class Params:
            exit_fn or (lambda key, value: None))
 
   def CopyFieldsTo(self, to_p: 'Params',
-                   skip: Sequence[str] | None = None) -> 'Params':
+                   skip: str | Sequence[str] | None = None) -> 'Params':
     """`CopyFieldsTo(self, to_p, skip)`: see the module function."""
     return CopyFieldsTo(self, to_p, skip)
 
@@ -380,7 +380,7 @@ class InstantiableParams(Params):
 
 
 def CopyFieldsTo(from_p: Params, to_p: Params,
-                 skip: Sequence[str] | None = None) -> Params:
+                 skip: str | Sequence[str] | None = None) -> Params:
   """Copies every field of `from_p` except `cls` and `skip` into `to_p`.
 
   Lingvo's helper for building one layer's Params from another's: `to_p`
@@ -391,7 +391,8 @@ def CopyFieldsTo(from_p: Params, to_p: Params,
     ParamsError: `to_p` has no field of that name; add it to `skip` or
       Define it in `to_p`'s class.
   """
-  skipped = set(skip or ()) | {'cls'}
+  skipped = {skip} if isinstance(skip, str) else set(skip or ())
+  skipped.add('cls')
   for name, value in from_p.IterParams():
     if name in skipped:
       continue

@@ -106,28 +106,68 @@ class NestedMap(dict):
       return False
 
   def Set(self, path: str, value: Any) -> 'NestedMap':
-    """Sets dotted `path` ('a.b.c') to `value`, creating NestedMaps on the
-    way (as Lingvo's `Set`; a path through a list is not supported); returns
-    self.
+    """Sets dotted `path` to `value`, creating NestedMaps on the way, as
+    Lingvo's `Set`: 'a.b.c', or with list items 'a[0].b' (a list is created
+    if missing; an index may be at most the list's length, which appends).
+    Returns self.
 
     Raises:
-      ValueError: a part of the path holds a non-dict value.
+      ValueError: a part of the path holds a non-dict value, or an index is
+        past the end of its list.
     """
-    keys = path.split('.')
-    for key in keys:
+    node: Any = self
+    parts = path.split('.')
+    for depth, part in enumerate(parts):
+      m = re.fullmatch(r'([^\[\]]+)(?:\[(\d+)\])?', part)
+      key, index = (m.group(1), m.group(2)) if m else (part, None)
       NestedMap._CheckKey(key)
-    node: dict = self
-    for i, key in enumerate(keys[:-1]):
-      if key not in node:
-        node[key] = NestedMap()
-      node = node[key]
+      last = depth == len(parts) - 1
+      if index is None:
+        if last:
+          node[key] = value
+          break
+        node = node.setdefault(key, NestedMap())
+      else:
+        items = node.setdefault(key, [])
+        i = int(index)
+        if not isinstance(items, list) or i > len(items):
+          size = len(items) if isinstance(items, list) else 'not a list'
+          raise ValueError(f'NestedMap.Set({path!r}): {part} is past the end '
+                           f'of {key!r} ({size}); set the items before it.')
+        if i == len(items):
+          items.append(None if last else NestedMap())
+        if last:
+          items[i] = value
+          break
+        if items[i] is None:
+          items[i] = NestedMap()
+        node = items[i]
       if not isinstance(node, dict):
         raise ValueError(
-            f'NestedMap.Set({path!r}): {".".join(keys[:i + 1])!r} holds a '
-            f'{type(node).__name__}, not a NestedMap; set a path whose '
+            f'NestedMap.Set({path!r}): {".".join(parts[:depth + 1])!r} holds '
+            f'a {type(node).__name__}, not a NestedMap; set a path whose '
             'parts are all maps.')
-    node[keys[-1]] = value
     return self
+
+  def TransformWithKey(self, fn: Callable[[str, Any], Any]) -> 'NestedMap':
+    """Applies `fn(path, leaf)` to every leaf (paths as in FlattenItems)."""
+    leaves = [fn(path, leaf) for path, leaf in self.FlattenItems()]
+    return self.Pack(leaves)
+
+  def IsCompatible(self, other: 'NestedMap') -> bool:
+    """Whether `other` has the same paths, so that Pack/Flatten swap them."""
+    return ([k for k, _ in self.FlattenItems()] ==
+            [k for k, _ in NestedMap(other).FlattenItems()])
+
+  @staticmethod
+  def FromNestedDict(x: Any) -> Any:
+    """`x` with every dict in it (nested in dicts, lists, tuples) a
+    NestedMap."""
+    if isinstance(x, dict):
+      return NestedMap({k: NestedMap.FromNestedDict(v) for k, v in x.items()})
+    if isinstance(x, (list, tuple)):
+      return type(x)(NestedMap.FromNestedDict(v) for v in x)
+    return x
 
   def Filter(self, fn: Callable[[Any], bool]) -> 'NestedMap':
     """A copy with only the leaves where `fn(leaf)` holds (see FilterKeyVal)."""

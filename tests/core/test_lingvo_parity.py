@@ -178,3 +178,29 @@ def test_union_merges_nested_maps_and_the_other_wins():
   assert u == {'x': 1, 'y': 2, 'n': {'p': 1, 'q': 3, 'r': 4}, 'l': [5, 6]}
   assert isinstance(u.n, NestedMap)
   assert a.n == {'p': 1, 'q': 2}  # Neither input changes.
+
+
+def test_copy_fields_to_accepts_one_name_to_skip():
+  src = linear.FCLayer.Params().Set(name='a', input_dim=3)
+  dst = hyperparams.CopyFieldsTo(src, linear.FCLayer.Params(), skip='name')
+  assert (dst.name, dst.input_dim) == ('', 3)
+
+
+def test_set_with_list_indices_as_lingvo():
+  m = NestedMap()
+  m.Set('a[0].b', 1)  # Creates the list and a NestedMap in it.
+  m.Set('a[1]', 2)    # Index == length appends.
+  m.Set('a[0].c', 3)
+  assert m == {'a': [{'b': 1, 'c': 3}, 2]}
+  assert isinstance(m.a[0], NestedMap)
+  with pytest.raises(ValueError, match=r'a\[5\] is past the end'):
+    m.Set('a[5]', 0)
+
+
+def test_transform_with_key_is_compatible_and_from_nested_dict():
+  m = NestedMap.FromNestedDict({'b': {'x': 1}, 'a': [{'y': 2}, 3]})
+  assert isinstance(m, NestedMap) and isinstance(m.a[0], NestedMap)
+  keyed = m.TransformWithKey(lambda k, v: f'{k}={v}')
+  assert keyed.Flatten() == ['a[0].y=2', 'a[1]=3', 'b.x=1']
+  assert m.IsCompatible(keyed)
+  assert not m.IsCompatible(NestedMap(b=NestedMap(x=1)))
