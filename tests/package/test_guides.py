@@ -58,3 +58,27 @@ def test_custom_layer_guide(guide_dir):
   ran = _run_tests_of('test_gated_ff')
   assert 'test_pipelined_gradients_equal_the_unpipelined_ones' in ran
   assert len(ran) == 5
+
+
+def test_porting_guide(guide_dir):
+  files = guide_dir('porting_from_lingvo.md')
+  assert set(files) == {'lenet5'}  # Lingvo's side is not importable here.
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  from lingvo_pipe.core import fprop_context  # pylint: disable=g-import-not-at-top
+  from lingvo_pipe.core import model_registry  # pylint: disable=g-import-not-at-top
+  from lingvo_pipe.core.nested_map import NestedMap  # pylint: disable=g-import-not-at-top
+  try:
+    params = model_registry.get_params('lenet5.LeNet5', 'Train')
+    assert params.input.split == 'train'
+    task = params.task.Instantiate()
+    batch = NestedMap(image=tf.random.uniform([64, 28, 28, 1]),
+                      label=tf.range(64) % 10)
+    with tf.GradientTape() as tape:
+      with fprop_context.scope(training=True, step=1):
+        metrics = task.FProp(task.theta, batch)
+    grads = tape.gradient(metrics['loss'][0], task.trainable_variables)
+    assert all(g is not None for g in grads)
+    assert 0.0 <= float(metrics['accuracy'][0]) <= 1.0
+    assert 'stage' in task.Inspect()
+  finally:
+    model_registry._MODELS.pop('lenet5.LeNet5', None)  # pylint: disable=protected-access
