@@ -73,7 +73,12 @@ def test_verbosity_brings_tensorflow_logs_back(tmp_path):
                      f'--logdir={tmp_path / "log"}', '--max_steps=1',
                      '--verbosity=1'], tmp_path)
   assert rc == 0, err
-  assert 'Sharding callback' in err and 'oneDNN' in err
+  assert 'Sharding callback' in err
+  # What a plain `import tensorflow` prints here (the oneDNN notice only
+  # where oneDNN is on) comes back too.
+  _, _, banner = _run([sys.executable, '-c', 'import tensorflow'], tmp_path)
+  for marker in ('absl::InitializeLog', 'oneDNN'):
+    assert (marker in err) == (marker in banner), (marker, err)
 
 
 def test_an_unregistered_class_is_one_line_naming_the_decorator(tmp_path):
