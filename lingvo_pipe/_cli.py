@@ -85,18 +85,9 @@ def flags_parser(program: str) -> Callable[[list[str]], list[str]]:
 
 def run_binary(main: Callable[[list[str]], None], program: str,
                module: types.ModuleType) -> None:
-  """`app.run(main)` for the binary `module`, also as a console script.
-
-  absl's --help lists the flags of the module named by sys.argv[0] and
-  prints the `__main__` module's docstring; a console script's `__main__` is
-  pip's wrapper, which has neither, so both are taken from `module`.
-  """
-  main_module = sys.modules.get('__main__')
-  if main_module is not module:
-    for flag in flags.FLAGS.get_key_flags_for_module(module.__name__):
-      flags.FLAGS.register_key_flag_for_module(sys.argv[0], flag)
-    if main_module is not None and not main_module.__doc__:
-      main_module.__doc__ = module.__doc__
+  """`app.run(main)` for the binary `module`, also as a console script
+  (whose --help then lists `module`'s flags: `_startup.show_in_help`)."""
+  _startup.show_in_help(module)
   app.run(main, flags_parser=flags_parser(program))
 
 

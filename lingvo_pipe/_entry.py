@@ -1,4 +1,5 @@
-"""The console scripts: `lingvo_pipe_trainer`, `_evaler`, `_prepare_data`.
+"""The console scripts: `lingvo_pipe_trainer`, `_evaler`, `_launch`,
+`_prepare_data`.
 
 Each imports TensorFlow first, quietly (`_startup.import_tensorflow`), then
 its binary, and runs it; a missing TensorFlow is one line naming the extra
@@ -33,6 +34,13 @@ def evaler() -> None:
   """`lingvo_pipe_evaler`: see lingvo_pipe/evaler.py."""
   _start('evaler')
   importlib.import_module('lingvo_pipe.evaler').run()
+
+
+def launch() -> None:
+  """`lingvo_pipe_launch`: see lingvo_pipe/launch.py (imports no TF)."""
+  module = importlib.import_module('lingvo_pipe.launch')
+  _startup.show_in_help(module)
+  module.run()
 
 
 def prepare_data() -> None:

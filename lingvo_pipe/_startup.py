@@ -22,6 +22,7 @@ import os
 import re
 import sys
 import tempfile
+import types
 from typing import Sequence
 
 from lingvo_pipe import extras
@@ -103,6 +104,24 @@ def _package_roots(names: Sequence[str]) -> tuple[str, ...]:
       roots.append(os.path.join(os.path.realpath(path), ''))
       roots.append(os.path.join(path, ''))
   return tuple(roots)
+
+
+def show_in_help(module: types.ModuleType) -> None:
+  """Makes absl's --help describe `module` when it runs as a console script.
+
+  absl's --help lists the flags of the module named by sys.argv[0] and
+  prints the `__main__` module's docstring; a console script's `__main__` is
+  pip's wrapper, which has neither, so both are taken from `module`. A
+  no-op under `python -m` (then `module` is `__main__`).
+  """
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  main_module = sys.modules.get('__main__')
+  if main_module is module:
+    return
+  for flag in flags.FLAGS.get_key_flags_for_module(module.__name__):
+    flags.FLAGS.register_key_flag_for_module(sys.argv[0], flag)
+  if main_module is not None and not main_module.__doc__:
+    main_module.__doc__ = module.__doc__
 
 
 def configure_python_logging(verbosity: int) -> None:

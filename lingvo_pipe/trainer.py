@@ -82,6 +82,10 @@ _DEVICES = flags.DEFINE_string('devices', '', 'Comma-separated device per '
 _MODE = flags.DEFINE_enum('mode', 'train', ['train', 'inspect_params'],
                           'train, or print the final params and '
                           'task.Inspect() and exit (writes nothing).')
+_PROFILE = flags.DEFINE_bool(
+    'profile', False, 'With --mode=inspect_params: also time each pipeline '
+    'layer on a real training batch and print the partition by measured '
+    'time beside the FPropMeta one (PipeDream\'s profiling pass).')
 _FORCE = flags.DEFINE_bool('force', False, 'Start even if logdir/params.txt '
                            'differs (it is then replaced).')
 _DETERMINISTIC = flags.DEFINE_bool('deterministic', True, 'Enable TensorFlow '
@@ -352,6 +356,21 @@ def _check_params_file(logdir: str, params: Params) -> None:
       'now); use the same model and overrides, another --logdir, or --force.')
 
 
+def _inspect(params: Params) -> str:
+  """--mode=inspect_params: the task's plan, profiled with --profile."""
+  task_cls = params.task.cls
+  if not _PROFILE.value:
+    return task_cls.InspectParams(params.task)
+  if not hasattr(task_cls, 'PipelineInputs'):
+    raise _cli.UserError(f'--profile times the layers of a pipelined task; '
+                         f'{task_cls.__name__} has no pipeline.')
+  generator = params.input.Instantiate()
+  generator.CheckAvailable()
+  batch = next(iter(generator.TrainDataset(0)))
+  return task_cls.InspectParams(params.task,
+                                profile_inputs=task_cls.PipelineInputs(batch))
+
+
 def _main(argv: list[str]) -> None:
   if len(argv) > 1:
     raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
@@ -361,9 +380,8 @@ def _main(argv: list[str]) -> None:
       tf.config.experimental.enable_op_determinism()
     params = build_params()
     if _MODE.value == 'inspect_params':
-      task = params.task.Instantiate()
       print(params.ToText(), end='')
-      print(task.Inspect())
+      print(_inspect(params))
       return
     logdir = _LOGDIR.value
     _cli.check_writable_dir(logdir)

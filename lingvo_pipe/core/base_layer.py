@@ -198,30 +198,52 @@ class LayerMeta:
 
   `out_shapes` is a tuple of (possibly nested) TensorShapes, one per positional
   input of the next layer. Unknown dimensions count as 1 in the byte totals.
+  `out_dtypes` holds the dtype of each leaf of `tf.nest.flatten(out_shapes)`
+  (empty: unknown); a stage process receives its input by these shapes and
+  dtypes, and the conformance suite checks them against real outputs.
   """
   flops: int
   out_shapes: tuple[Any, ...]
   param_bytes: int
   out_bytes: int
+  out_dtypes: tuple[tf.DType, ...] = ()
 
   @staticmethod
   def build(p: Params, flops: float, out_shapes: Sequence[Any],
-            num_params: int, out_dtype: tf.DType | None = None) -> 'LayerMeta':
-    dtype = out_dtype or p.fprop_dtype or p.dtype
+            num_params: int, out_dtype: Any = None) -> 'LayerMeta':
+    """The meta of one layer.
+
+    Args:
+      p: the layer's Params (dtype, fprop_dtype).
+      flops: 2 × multiply-adds of one FProp.
+      out_shapes: one (nest of) shape(s) per output.
+      num_params: parameters of the layer.
+      out_dtype: the outputs' dtype: one for all, or a nest like
+        `out_shapes`; default the compute dtype (fprop_dtype, else dtype).
+    """
     shapes = tuple(as_shape(s) for s in out_shapes)
-    leaves = [s for s in tf.nest.flatten(shapes)]
-    out_bytes = sum(_elements(s) for s in leaves) * dtype.size
+    leaves = tf.nest.flatten(shapes)
+    default = p.fprop_dtype or p.dtype
+    if out_dtype is None or isinstance(out_dtype, tf.DType):
+      dtypes = [out_dtype or default] * len(leaves)
+    else:
+      dtypes = [tf.as_dtype(d) for d in tf.nest.flatten(out_dtype)]
+      if len(dtypes) != len(leaves):
+        raise LayerError(f'{p.name}: FPropMeta gave {len(dtypes)} output '
+                         f'dtypes for {len(leaves)} outputs {shapes}.')
+    out_bytes = sum(_elements(s) * d.size for s, d in zip(leaves, dtypes))
     return LayerMeta(
         flops=int(flops),
         out_shapes=shapes,
         param_bytes=int(num_params) * p.dtype.size,
-        out_bytes=int(out_bytes))
+        out_bytes=int(out_bytes),
+        out_dtypes=tuple(dtypes))
 
   def __add__(self, other: 'LayerMeta') -> 'LayerMeta':
     """Composition: `self` then `other` (outputs are `other`'s)."""
     return LayerMeta(self.flops + other.flops, other.out_shapes,
                      self.param_bytes + other.param_bytes,
-                     self.out_bytes + other.out_bytes)
+                     self.out_bytes + other.out_bytes, other.out_dtypes)
 
 
 # ---- The layer --------------------------------------------------------------
@@ -346,13 +368,24 @@ class BaseLayer(tf.Module):
 
   def CreateChildren(self, name: str,
                      params_list: Sequence[InstantiableParams],
-                     devices: Sequence[str | None] | None = None
+                     devices: Sequence[str | None] | None = None,
+                     keys: Sequence[str] | None = None
                     ) -> list['BaseLayer']:
     """Builds a list of children; theta.name is the list of their thetas.
 
     `devices[i]`, if given, is where child i's variables are created.
+    Child i's path is `<path>.<name>[i]` and its checkpoint key
+    `<name>_<i>`, unless `keys` names each child: then `<path>.<keys[i]>`
+    and `keys[i]`, so inserting a child renames no other (a pipeline's
+    layers are keyed by their names, as in Lingvo).
     """
-    self._CheckNewName(name, [f'{name}_{i}' for i in range(len(params_list))])
+    if keys is not None and len(keys) != len(params_list):
+      raise LayerError(f'{self.path}: CreateChildren({name!r}) got '
+                       f'{len(params_list)} params but {len(keys)} keys.')
+    by_name = keys is not None
+    keys = list(keys) if by_name else [
+        f'{name}_{i}' for i in range(len(params_list))]
+    self._CheckNewName(name, keys)
     if devices is not None and len(devices) != len(params_list):
       raise LayerError(
           f'{self.path}: CreateChildren({name!r}) got {len(params_list)} '
@@ -361,9 +394,10 @@ class BaseLayer(tf.Module):
     children = []
     for i, params in enumerate(params_list):
       device = devices[i] if devices is not None else None
-      with self._Building(f'{name}[{i}]'), tf.device(device):
-        child = self._ChildParams(f'{name}_{i}', params).Instantiate()
-      self._track_trackable(child, name=f'{name}_{i}')
+      with self._Building(keys[i] if by_name else f'{name}[{i}]'), (
+          tf.device(device)):
+        child = self._ChildParams(keys[i], params).Instantiate()
+      self._track_trackable(child, name=keys[i])
       children.append(child)
     self._private_children[name] = children
     return children

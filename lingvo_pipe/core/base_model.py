@@ -98,8 +98,17 @@ class BaseTask(base_layer.BaseLayer):
                             batch)
 
   def Inspect(self) -> str:
-    """Text shown by `trainer --mode=inspect_params` (partition, schedule)."""
+    """A report of the built task (partition, schedule); default none."""
     return ''
+
+  @classmethod
+  def InspectParams(cls, p: InstantiableParams) -> str:
+    """What `trainer --mode=inspect_params` prints for task params `p`.
+
+    Builds the task and calls Inspect(); tasks that can plan from Params
+    alone (PipelinedTask) override it, so it needs no devices.
+    """
+    return p.Instantiate().Inspect()
 
   def Summaries(self) -> dict[str, float]:
     """Extra scalars for the trainer's TensorBoard summaries (default none)."""

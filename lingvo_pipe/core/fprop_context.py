@@ -5,10 +5,16 @@ the *call* still matter to some layers, and they are passed here rather than
 through every signature:
 
 * `training` — BatchNorm normalises by batch statistics, Dropout drops.
-* `step`, `micro_batch_index`, `num_micro_batches`, `batch_dim` — Dropout
-  derives its mask from them (plus the layer path), so the recompute pass of
-  the pipeline draws exactly the forward pass's mask, and the mask of an
-  example does not depend on how the batch was cut into micro-batches.
+* `step`, `batch_axis`, `first_example`, `global_batch_size` — Dropout
+  derives its mask from the step, the layer path and each example's index
+  in the global batch (the mini-batch of every data-parallel replica), so the
+  recompute pass of the pipeline draws exactly the forward pass's mask, and
+  the mask of an example does not depend on how the batch was cut into
+  micro-batches or replicas. `batch_axis` is the axis that holds the batch
+  (1 for time-major [T, B, ...] activations); `first_example` is the global
+  index of this call's first example; `global_batch_size` is None when this
+  call sees the whole batch. `micro_batch_index` and `num_micro_batches`
+  say which micro-batch of how many this is.
 * `timeline` — if a list, the pipeline appends one
   `(stage, micro_batch, kind, start, end)` record per forward ('F'),
   recompute ('R') and backward ('B'), with `tf.timestamp()` tensors that the
@@ -60,7 +66,9 @@ class FPropContext:
   step: Any = 0
   micro_batch_index: Any = 0
   num_micro_batches: int = 1
-  batch_dim: int = 0
+  batch_axis: int = 0
+  first_example: Any = 0
+  global_batch_size: Any = None
   stats: StatsCollector | None = None
   timeline: list[Any] | None = None
 

@@ -6,155 +6,135 @@
     net = p.Instantiate()
     with tf.GradientTape() as tape:
       with fprop_context.scope(training=True, step=step):
-        logits = net.FProp(net.theta, images)
+        logits = net.FProp(net.theta, images)            # GPipe
       loss = ...
     grads = tape.gradient(loss, net.trainable_variables)   # exact
 
-The algorithm (Huang et al., 2019):
+    # Any schedule ('gpipe', '1f1b', 'interleaved'): the last stage also
+    # computes each micro-batch's loss.
+    with tf.GradientTape() as tape:
+      with fprop_context.scope(training=True, step=step):
+        metrics = net.FPropLoss(net.theta, (images,), labels, loss_fn)
+    grads = tape.gradient(metrics['loss'][0], net.trainable_variables)
 
-    costs   = [FPropMeta(layer).flops for layer in layers]    # or p.costs
-    stages  = partition(costs, K)          # exact min-max contiguous cut
-    place stage k's variables on devices[k]
-    train:  split the batch into M micro-batches; stage k runs forward on
-            micro-batch m+1 while stage k+1 runs micro-batch m; keep only
-            each stage's input boundary; in backward recompute each stage
-            from its boundary, accumulate gradients over micro-batches
-            (see engine.py for the graph).
+The algorithm (Huang et al., 2019; Narayanan et al., 2019):
+
+    plan    = costs per layer (FPropMeta flops, p.costs, or parameters),
+              the exact min-max cut into K·v stages (plan.py)
+    place   stage s's variables on devices[s mod K]
+    train:  split the batch into M micro-batches and run the schedule's
+            ops — F, R, B of each stage and micro-batch, on its device, in
+            the schedule's order (engine.py); keep only each stage's input
+            boundary, recompute in backward, accumulate gradients over
+            micro-batches; one synchronous update follows.
     eval:   the whole batch, stage after stage, no recompute.
 
-Training equals unpipelined training for any K and M up to float rounding,
-with one documented exception: BatchNorm normalises each micro-batch by its
-own statistics, while its moving averages see the whole batch.
+Training equals unpipelined training for any K, M and schedule up to float
+rounding, with one documented exception: BatchNorm normalises each
+micro-batch by its own statistics, while its moving averages see the whole
+batch.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import tensorflow as tf
 
 from lingvo_pipe.core import base_layer
-from lingvo_pipe.pipeline import devices as devices_lib
 from lingvo_pipe.core import fprop_context
-from lingvo_pipe.pipeline import microbatch
-from lingvo_pipe.pipeline import partitioner
-from lingvo_pipe.pipeline import engine
-from lingvo_pipe.pipeline import simulator
 from lingvo_pipe.core.nested_map import NestedMap
+from lingvo_pipe.pipeline import devices as devices_lib
+from lingvo_pipe.pipeline import engine
+from lingvo_pipe.pipeline import microbatch
+from lingvo_pipe.pipeline import placement as placement_lib
+from lingvo_pipe.pipeline import plan as plan_lib
+from lingvo_pipe.pipeline import schedule as schedule_lib
+from lingvo_pipe.pipeline import simulator
 
-
-class PipelineError(ValueError):
-  """Bad pipeline params or inputs; the message names the values and fix."""
+PipelineError = plan_lib.PlanError  # Bad pipeline params or inputs.
+layer_metas = plan_lib.layer_metas
 
 
 def _as_tuple(out: Any) -> tuple[Any, ...]:
   return out if isinstance(out, tuple) else (out,)
 
 
-def layer_metas(layer_params: list[Any], input_shapes: Any,
-                where: str = 'pipeline') -> list[base_layer.LayerMeta]:
-  """FPropMeta of each layer of a sequence, each fed the previous outputs."""
-  shapes = _as_tuple(base_layer.as_shape(tuple(input_shapes)))
-  metas = []
-  for i, lp in enumerate(layer_params):
-    try:
-      meta = lp.cls.FPropMeta(lp, *shapes)
-    except Exception as e:  # Re-raised with the position in the sequence.
-      raise PipelineError(
-          f'{where}.layers[{i}] ({lp.cls.__name__} {lp.name!r}) rejects its '
-          f'input shapes {[str(s) for s in shapes]} (outputs of layer '
-          f'{i - 1 if i else "input"}): {e}') from e
-    metas.append(meta)
-    shapes = meta.out_shapes
-  return metas
+class _RemoteLayer(base_layer.BaseLayer):
+  """Stands in for a layer that another stage process holds and runs."""
+
+  def FProp(self, theta: NestedMap, *inputs: Any) -> Any:
+    raise PipelineError(f'{self.path} runs in another stage process.')
 
 
 class PipeliningLayer(base_layer.BaseLayer):
-  """A sequence of layers cut into K stages and run as a GPipe pipeline."""
+  """A sequence of layers cut into K stages and run as a pipeline."""
 
   @classmethod
   def Params(cls) -> Any:
     p = super().Params()
-    p.Define('layers', [], 'The sequence: layer Params; each layer\'s '
-             'outputs (a tuple = several positional inputs) feed the next.')
-    p.Define('num_stages', 1, 'K: composite stages, stage k on devices[k].')
-    p.Define('split_points', None, 'Optional K−1 increasing layer indices '
-             'where stages 1..K−1 start; overrides the partitioner.')
-    p.Define('costs', None, 'Optional per-layer costs for the partitioner '
-             '(e.g. measured seconds); None uses FPropMeta flops.')
+    p.Define('layers', [], 'The sequence: layer Params with unique names '
+             '(variables are keyed by them); each layer\'s outputs (a tuple '
+             '= several positional inputs) feed the next.')
+    p.Define('num_stages', 1, 'K: devices; stage s runs on devices[s mod K].')
+    p.Define('split_points', None, 'Optional K·v−1 increasing layer indices '
+             'where stages 1.. start; overrides the partitioner.')
+    p.Define('costs', None, 'Per-layer costs for the partitioner: a list '
+             '(e.g. measured seconds), \'profile\' (measure each layer\'s '
+             'forward + backward now, PipeDream-style), or None: FPropMeta '
+             'flops with input_shapes, else parameter counts.')
     p.Define('input_shapes', None, 'Shapes of the first layer\'s positional '
              'inputs for one mini-batch, e.g. [[64, 28, 28, 1]]; FPropMeta '
-             'costs and shape checks need them.')
+             'costs, shape checks and the simulator need them.')
+    p.Define('input_dtypes', None, 'Dtypes of those inputs (e.g. '
+             '[\'int32\'] for token ids), for costs=\'profile\'; None = '
+             'float32.')
     p.Define('num_micro_batches', 1, 'M: micro-batches per mini-batch; '
-             'M ≥ 4·K keeps the bubble (K−1)/(M+K−1) small.')
+             'M ≥ 4·K keeps the bubble (K−1)/(M+K−1) small. \'auto\': the '
+             'largest micro-batch that fits memory_budget_bytes (M ≥ 4·K '
+             'when possible).')
     p.Define('micro_batch_size', None, 'Alternative to num_micro_batches: '
              'examples per micro-batch (M = N / micro_batch_size).')
     p.Define('recompute', 'always', 'always: keep only stage inputs and '
              'recompute in backward (GPipe); except_last: the last stage '
              'keeps its activations; never: keep everything.')
+    p.Define('schedule', 'gpipe', 'gpipe: all forwards, then all backwards '
+             '(M micro-batches of activations per stage); 1f1b: PipeDream-'
+             'flush, at most K−k in flight on stage k; interleaved: 1f1b over '
+             'v chunks per device, bubble ÷ v. 1f1b and interleaved need the '
+             'loss in the pipeline (FPropLoss).')
+    p.Define('virtual_stages_per_device', 2, 'v, with schedule='
+             '\'interleaved\': each device holds v non-adjacent stages.')
+    p.Define('memory_budget_bytes', None, 'Bytes one device may use: the '
+             'memory preflight (FPropMeta bytes, the schedule, optimizer '
+             'slots) refuses a config over it before the first step; needed '
+             'by num_micro_batches=\'auto\'.')
+    p.Define('memory_optimizer', None, 'The optimizer whose slots the '
+             'preflight counts (sgd, adam, rmsprop; None: no slots); '
+             'PipelinedTask sets it from task.train.optimizer.')
     p.Define('devices', None, 'Device of each stage, e.g. ["/GPU:0", '
              '"/GPU:1"] or "/job:worker/task:1/device:CPU:0"; None = local '
              'accelerators, else logical CPU devices.')
     p.Define('batch_dim', 0, 'Batch dimension of every tensor that crosses '
-             'a stage boundary.')
+             'a stage boundary (1 for time-major [T, B, ...]).')
     return p
 
   def __init__(self, params: Any) -> None:
     super().__init__(params)
-    p = self.params
-    num_layers = len(p.layers)
-    if not num_layers:
-      raise PipelineError(f'{self.path}: p.layers is empty; give the '
-                          'sequence of layer Params to pipeline.')
-    if p.recompute not in engine.RECOMPUTE_POLICIES:
-      raise PipelineError(f'{self.path}: recompute={p.recompute!r}; use one '
-                          f'of {engine.RECOMPUTE_POLICIES}.')
-    self._metas = (layer_metas(list(p.layers), p.input_shapes, self.path)
-                   if p.input_shapes is not None else None)
-    self._costs = self._Costs()
-    self._boundaries = self._Partition()
+    self._plan = plan_lib.make_plan(self.params, self.path)
+    self._placement = placement_lib.Placement.current(self.params.num_stages,
+                                                      self.path)
     self._devices = self._Devices()
     self._CreateStages()
-    self._report = partitioner.make_report(
-        self._costs or [1.0] * num_layers, self._boundaries,
-        layer_names=[f'{i}:{lp.name or lp.cls.__name__}'
-                     for i, lp in enumerate(p.layers)],
-        cost_unit='flops' if self._costs and p.costs is None else 'cost')
+    self._schedules: dict[int, schedule_lib.Schedule] = {}
 
   # ---- Construction --------------------------------------------------------
-  def _Costs(self) -> list[float] | None:
-    p = self.params
-    if p.costs is not None:
-      if len(p.costs) != len(p.layers):
-        raise PipelineError(
-            f'{self.path}: p.costs has {len(p.costs)} entries but there are '
-            f'{len(p.layers)} layers; give one cost per layer.')
-      return [float(c) for c in p.costs]
-    if self._metas is not None:
-      return [float(m.flops) for m in self._metas]
-    return None
-
-  def _Partition(self) -> list[int]:
-    p = self.params
-    num_layers, k = len(p.layers), p.num_stages
-    if k < 1 or k > num_layers:
-      raise PipelineError(
-          f'{self.path}: num_stages={k} but there are {num_layers} layers; '
-          f'use 1 ≤ num_stages ≤ {num_layers}.')
-    if p.split_points is not None:
-      return partitioner.check_split_points(list(p.split_points), num_layers,
-                                            k)
-    if k == 1:
-      return [0, num_layers]
-    if self._costs is None:
-      raise PipelineError(
-          f'{self.path}: cannot balance {k} stages without costs. Set '
-          'p.input_shapes (FPropMeta flops), p.costs, or p.split_points.')
-    return partitioner.partition(self._costs, k)
-
   def _Devices(self) -> list[str]:
     p, k = self.params, self.params.num_stages
+    if self._placement.multi_process:  # Device d runs in its own process.
+      peers = self._placement.peers
+      return [peers.task_device(self._placement.task(d)) for d in range(k)]
     if p.devices is None:
       for kind in ('GPU', 'TPU'):
         if len(tf.config.list_logical_devices(kind)) >= k:
@@ -172,55 +152,91 @@ class PipeliningLayer(base_layer.BaseLayer):
     return list(p.devices[:k])
 
   def _CreateStages(self) -> None:
-    p = self.params
-    stage_of = np.searchsorted(self._boundaries, np.arange(len(p.layers)),
+    """Builds every layer on its stage's device; with stage processes,
+    only this process's layers (the others stand in, with no variables)."""
+    stage_of = np.searchsorted(self._plan.boundaries,
+                               np.arange(len(self.params.layers)),
                                side='right') - 1
-    self.CreateChildren('layers', list(p.layers),
-                        devices=[self._devices[s] for s in stage_of])
+    layers = [lp if self.is_local(s) else
+              _RemoteLayer.Params().Set(name=name)
+              for lp, s, name in zip(self.params.layers, stage_of,
+                                     self._plan.names)]
+    self.CreateChildren('layers', layers,
+                        devices=[self.stage_device(s) for s in stage_of],
+                        keys=list(self._plan.names))
 
   # ---- Facts ---------------------------------------------------------------
   @property
+  def plan(self) -> plan_lib.Plan:
+    return self._plan
+
+  @property
   def boundaries(self) -> list[int]:
-    """[0, b1, …, L]: stage k holds layers [b[k], b[k+1])."""
-    return list(self._boundaries)
+    """[0, b1, …, L]: stage s holds layers [b[s], b[s+1])."""
+    return list(self._plan.boundaries)
 
   @property
   def devices(self) -> list[str]:
     return list(self._devices)
 
-  @property
-  def metas(self) -> list[base_layer.LayerMeta] | None:
-    return self._metas
+  def stage_device(self, stage: int) -> str:
+    return self._devices[stage % len(self._devices)]
+
+  def is_local(self, stage: int) -> bool:
+    """Whether this process runs `stage` (always, in one process)."""
+    return self._placement.is_local(stage % len(self._devices))
 
   @property
-  def report(self) -> partitioner.PartitionReport:
-    return self._report
+  def placement(self) -> placement_lib.Placement:
+    return self._placement
+
+  @property
+  def metas(self) -> list[base_layer.LayerMeta] | None:
+    return None if self._plan.metas is None else list(self._plan.metas)
+
+  @property
+  def report(self) -> Any:
+    return self._plan.report
 
   def Inspect(self) -> str:
     """The partition report and the simulated schedule of one step."""
-    text = self._report.to_text(
-        num_micro_batches=self.params.num_micro_batches)
-    if self._metas is not None:
-      text += ('\nPredicted step (1e11 flop/s per device, backward = 2 × '
-               'forward):\n' + self.Simulate().to_text())
-    return text
+    return self._plan.to_text()
+
+  def Simulate(self, flops_per_second: float = 1e11,
+               schedule: str | None = None) -> simulator.SimResult:
+    """Predicted step of this partition (needs p.input_shapes)."""
+    return self._plan.simulate(flops_per_second, schedule)
+
+  def Summaries(self) -> dict[str, float]:
+    """Partition imbalance and bubble, for the trainer's TensorBoard."""
+    m = self._plan.num_micro_batches() or 1
+    return {'pipeline/partition_imbalance': self.report.imbalance,
+            'pipeline/bubble_fraction':
+                self.report.bubble_fraction(m) / self._plan.num_chunks}
 
   # ---- Computing -------------------------------------------------------------
-  def _StageFProp(self, k: int, thetas: list[NestedMap],
+  def _StageFProp(self, s: int, thetas: list[NestedMap],
                   inputs: tuple[Any, ...]) -> tuple[Any, ...]:
-    first, last = self._boundaries[k], self._boundaries[k + 1]
+    first, last = self._plan.boundaries[s], self._plan.boundaries[s + 1]
     x = inputs
     for i, theta in zip(range(first, last), thetas):
       x = _as_tuple(self.children.layers[i].FProp(theta, *x))
-      self._CheckShapes(i, x)
+      self._CheckOutputs(i, x)
     return x
 
-  def _CheckShapes(self, i: int, outputs: tuple[Any, ...]) -> None:
-    """Real output shapes must match FPropMeta's (batch dim excepted)."""
-    if self._metas is None:
+  def _CheckOutputs(self, i: int, outputs: tuple[Any, ...]) -> None:
+    """Outputs are tensors (or None) of FPropMeta's shapes (batch aside)."""
+    name = self.params.layers[i].cls.__name__
+    for leaf in tf.nest.flatten(outputs):
+      if leaf is not None and not tf.is_tensor(leaf):
+        raise PipelineError(
+            f'{self.path}.layers[{i}] ({name}) returned {type(leaf).__name__} '
+            f'{leaf!r:.40}; a pipelined layer returns tensors (or None, or '
+            'nests of them): convert it, or compute it outside the pipeline.')
+    if self._plan.metas is None:
       return
-    want = tf.nest.flatten(self._metas[i].out_shapes)
-    got = [t.shape for t in tf.nest.flatten(outputs)]
+    want = tf.nest.flatten(self._plan.metas[i].out_shapes)
+    got = [t.shape for t in tf.nest.flatten(outputs) if t is not None]
     bd = self.params.batch_dim
 
     def _strip(s: tf.TensorShape) -> list[Any]:
@@ -230,7 +246,6 @@ class PipeliningLayer(base_layer.BaseLayer):
     if len(want) != len(got) or any(
         not tf.TensorShape(_strip(w)).is_compatible_with(_strip(g))
         for w, g in zip(want, got)):
-      name = self.params.layers[i].cls.__name__
       raise PipelineError(
           f'{self.path}.layers[{i}] ({name}): outputs have shapes '
           f'{[str(g) for g in got]} but its FPropMeta predicts '
@@ -239,27 +254,101 @@ class PipeliningLayer(base_layer.BaseLayer):
 
   def _Stages(self, theta: NestedMap) -> list[engine.Stage]:
     stages = []
-    for k in range(self.params.num_stages):
-      first, last = self._boundaries[k], self._boundaries[k + 1]
+    bounds = self._plan.boundaries
+    for s in range(self._plan.num_stages):
       stages.append(engine.Stage(
-          fprop=lambda th, x, k=k: self._StageFProp(k, th, x),
-          theta=list(theta.layers[first:last]), device=self._devices[k]))
+          fprop=lambda th, x, s=s: self._StageFProp(s, th, x),
+          theta=list(theta.layers[bounds[s]:bounds[s + 1]]),
+          device=self.stage_device(s)))
     return stages
 
-  def FProp(self, theta: NestedMap, *inputs: Any) -> Any:
+  def _Schedule(self, inputs: tuple[Any, ...]) -> schedule_lib.Schedule:
     p = self.params
+    n = microbatch.batch_size(inputs, p.batch_dim, self.path)
+    m = self._plan.num_micro_batches(n)
+    if m not in self._schedules:
+      try:
+        self._schedules[m] = self._plan.schedule(m)
+      except schedule_lib.ScheduleError as e:
+        raise PipelineError(f'{self.path}: {e}') from None
+    return self._schedules[m]
+
+  def FProp(self, theta: NestedMap, *inputs: Any) -> Any:
+    """Pipelined forward (training) or stage after stage (inference).
+
+    Differentiable under an outer tape with schedule='gpipe'; the other
+    schedules interleave backwards with forwards and need `FPropLoss`.
+    """
     stages = self._Stages(theta)
+    if self._placement.multi_process:
+      raise PipelineError(
+          f'{self.path}: FProp runs every stage in this process; with stage '
+          'processes train with FPropLoss (PipelinedTask does) and evaluate '
+          'in one process (the evaler).')
     if not fprop_context.current().training:
       x = tuple(inputs)
       for stage in stages:  # Inference: whole batch, no micro-batches.
         with tf.device(stage.device):
           x = stage.fprop(stage.theta, x)
       return x[0] if len(x) == 1 else x
-    n = microbatch.batch_size(inputs, p.batch_dim, self.path)
-    m = microbatch.num_micro_batches(n, p.num_micro_batches,
-                                     p.micro_batch_size, self.path)
-    out = engine.run(stages, tuple(inputs), m, p.recompute, p.batch_dim)
+    try:
+      out = engine.run(stages, tuple(inputs), self._Schedule(inputs),
+                       self.params.batch_dim)
+    except engine.EngineError as e:
+      raise PipelineError(f'{self.path}: {e}') from None
     return out[0] if len(out) == 1 else out
+
+  def FPropLoss(self, theta: NestedMap, inputs: tuple[Any, ...], labels: Any,
+                loss_fn: Callable[[Any, Any], dict[str, Any]]
+               ) -> dict[str, tuple[tf.Tensor, tf.Tensor]]:
+    """The step with the loss in the last stage: any schedule.
+
+    Args:
+      theta: this layer's theta.
+      inputs: the first layer's positional inputs (a tuple).
+      labels: a nest with the batch on p.batch_dim, given to `loss_fn`.
+      loss_fn: (last layer's outputs, labels) of one micro-batch →
+        {'loss': (value, weight), ...}: weighted means, as tasks'
+        ComputeLoss returns them.
+
+    Returns:
+      {name: (weighted mean over the batch, Σ weight)}; the loss value is
+      differentiable under an outer tape. Outside training: `loss_fn` of
+      the whole batch's outputs.
+    """
+    if not fprop_context.current().training:
+      return loss_fn(self.FProp(theta, *inputs), labels)
+    stages = self._Stages(theta)
+    schedule = self._Schedule(inputs)
+    n = microbatch.batch_size(inputs, self.params.batch_dim, self.path)
+    try:
+      return engine.run_with_loss(
+          stages, tuple(inputs), labels, loss_fn, schedule,
+          self.params.batch_dim, self._placement,
+          lambda s: self._BoundarySpec(s, n, schedule.num_micro_batches))
+    except engine.EngineError as e:
+      raise PipelineError(f'{self.path}: {e}') from None
+
+  def _BoundarySpec(self, stage: int, batch_size: Any,
+                    num_micro_batches: int) -> Any:
+    """Per-micro-batch TensorSpecs of stage `stage`'s input (the outputs
+    of its previous layer; `stage` = #stages: the last layer's outputs),
+    from FPropMeta: what a stage process receives before any tensor."""
+    if not isinstance(batch_size, int) or self.params.input_shapes is None:
+      raise PipelineError(
+          f'{self.path}: stage processes exchange tensors of static shapes; '
+          'set p.input_shapes (the batch dimension may stay None) and feed '
+          'batches of a static size.')
+    metas = self._plan.metas_for(batch_size)
+    meta = metas[self._plan.boundaries[stage] - 1]
+    bd, micro = self.params.batch_dim, batch_size // num_micro_batches
+    leaves = []
+    for shape, dtype in zip(tf.nest.flatten(meta.out_shapes),
+                            meta.out_dtypes):
+      dims = shape.as_list()
+      dims[bd] = micro
+      leaves.append(tf.TensorSpec(dims, dtype))
+    return tf.nest.pack_sequence_as(meta.out_shapes, leaves)
 
   @classmethod
   def FPropMeta(cls, p: Any, *input_shapes: Any) -> base_layer.LayerMeta:
@@ -268,18 +357,3 @@ class PipeliningLayer(base_layer.BaseLayer):
     for meta in metas[1:]:
       total = total + meta
     return total
-
-  def Simulate(self, flops_per_second: float = 1e11,
-               schedule: str = 'gpipe') -> simulator.SimResult:
-    """Predicted step of this partition (needs p.input_shapes)."""
-    p = self.params
-    if self._metas is None:
-      raise PipelineError(f'{self.path}: set p.input_shapes to simulate.')
-    input_bytes = base_layer.LayerMeta.build(
-        p, 0, base_layer.as_shape(tuple(p.input_shapes)), 0).out_bytes
-    costs = simulator.stage_costs_from_layers(
-        [m.flops for m in self._metas], [m.out_bytes for m in self._metas],
-        [m.param_bytes for m in self._metas], input_bytes, self._boundaries,
-        p.num_micro_batches, flops_per_second)
-    return simulator.simulate(costs, p.num_micro_batches, p.recompute,
-                              schedule)

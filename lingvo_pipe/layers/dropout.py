@@ -10,11 +10,13 @@ than the loss. So the mask here is a *pure function* of
   * the training step `ctx.step`, and
   * the example's global index in the mini-batch.
 
-`apply_dropout` draws one stateless uniform mask for the whole mini-batch
-(`ctx.batch_dim × ctx.num_micro_batches` examples) and slices out rows
-`[i·b, (i+1)·b)` of micro-batch i. An example therefore gets the same mask
-however the batch is cut into micro-batches and however many stages there
-are, and the recompute pass reproduces the forward mask exactly.
+`apply_dropout` draws one stateless uniform mask for the whole global batch
+(`ctx.global_batch_size` examples, every micro-batch of every data-parallel
+replica) and slices out the rows of this call's examples, from
+`ctx.first_example` on, along `ctx.batch_axis` (1 for time-major inputs).
+An example therefore gets the same mask however the batch is cut into
+micro-batches or replicas and however many stages there are, and the
+recompute pass reproduces the forward mask exactly.
 
 Cost convention (FPropMeta): 1 flop per element (compare and scale).
 """
@@ -57,14 +59,14 @@ def apply_dropout(x: tf.Tensor, rate: float, seed_key: str,
   """Drops elements of `x` with probability `rate` in a training context.
 
   Args:
-    x: [B, ...] activations of this micro-batch (batch dim first).
+    x: activations of this micro-batch, batch on `ctx.batch_axis`.
     rate: probability of dropping an element, in [0, 1).
     seed_key: stable name of the call site, e.g. `f'{self.path}/attention'`.
       Different keys give independent masks.
     noise_shape_fn: optional `fn(shape) -> noise_shape` mapping x's shape (a
       list of ints, or scalar tensors for unknown dims) to the mask's shape
       for this micro-batch, e.g. `lambda s: [s[0], 1, s[2]]` to share the
-      mask over time. Its first entry must be the batch dim or 1.
+      mask over time. Its entry on the batch axis must be the batch or 1.
 
   Returns:
     `x` unchanged outside training or when rate is 0; otherwise `x` with
@@ -84,22 +86,27 @@ def apply_dropout(x: tf.Tensor, rate: float, seed_key: str,
   shape = _dim_list(x)
   noise_shape = list(noise_shape_fn(shape) if noise_shape_fn else shape)
   seed = mask_seed(seed_key, ctx.step)
-  if not _shared_over_batch(shape[0], noise_shape[0]):
-    micro = ctx.batch_dim or noise_shape[0]
-    if (isinstance(shape[0], int) and ctx.batch_dim and
-        ctx.batch_dim != shape[0]):
-      raise base_layer.LayerError(
-          f'{seed_key}: the context says micro-batches have batch_dim='
-          f'{ctx.batch_dim} examples but x has {shape[0]} (shape {shape}); '
-          'open the fprop_context.scope with batch_dim = x.shape[0].')
-    total = micro * ctx.num_micro_batches
-    # [B_total, ...]: one mask row per example of the mini-batch.
-    uniform = tf.random.stateless_uniform([total] + noise_shape[1:],
-                                          seed)
-    start = tf.cast(ctx.micro_batch_index, tf.int32) * micro
-    uniform = uniform[start:start + micro]  # [b, ...]: this micro-batch.
-  else:
+  axis = ctx.batch_axis
+  if not 0 <= axis < len(shape):
+    raise base_layer.LayerError(
+        f'{seed_key}: the context says the batch is on axis {axis} but x has '
+        f'shape {shape}; set the pipeline\'s batch_dim to the batch axis.')
+  if _shared_over_batch(shape[axis], noise_shape[axis]):
     uniform = tf.random.stateless_uniform(noise_shape, seed)
+  else:
+    # [B_global, ...]: one mask row per example of the global batch, batch
+    # first (whatever the layout); then this call's rows, moved back to the
+    # batch axis.
+    total = (noise_shape[axis] if ctx.global_batch_size is None else
+             ctx.global_batch_size)
+    rest = noise_shape[:axis] + noise_shape[axis + 1:]
+    uniform = tf.random.stateless_uniform([total] + rest, seed)
+    start = tf.cast(ctx.first_example, tf.int32)
+    uniform = uniform[start:start + noise_shape[axis]]
+    if axis:
+      perm = list(range(1, axis + 1)) + [0] + list(range(axis + 1,
+                                                         len(shape)))
+      uniform = tf.transpose(uniform, perm)
   # Drawn in float32 whatever x's dtype, so the mask is the same in bfloat16.
   keep = tf.cast(uniform >= rate, x.dtype)
   return x * keep * tf.cast(1.0 / (1.0 - rate), x.dtype)

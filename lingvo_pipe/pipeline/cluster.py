@@ -25,6 +25,10 @@ Workers on other hosts work the same way: connect with
 '/job:worker/task:k/device:...' strings in `p.devices`.
 
 Every process started here is stopped by PID in `stop()` (also on exit).
+
+The other runtime, where every stage process runs its own schedule and
+stages exchange tensors over collectives, is `processes.py` and
+`collective.py`, started by `lingvo_pipe.launch`.
 """
 
 from __future__ import annotations

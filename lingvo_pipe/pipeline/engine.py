@@ -1,401 +1,345 @@
-"""The GPipe graph: pipelined forward, per-stage recomputing backward.
+"""The engine: executes a `schedule.Schedule`, one op at a time, in one graph.
 
-`run` emits, inside the caller's graph (normally one `tf.function` training
-step), the forward of every (stage k, micro-batch m) on stage k's device, and
-registers a `tf.custom_gradient` whose gradient function emits the backward
-of every (k, m) on stage k's device, recomputing the stage's forward from its
-stored input boundary just before that backward needs it. The caller only
-sees a differentiable function: `tape.gradient(loss, variables)` of an
-ordinary outer `tf.GradientTape` returns the gradients accumulated over all
-micro-batches.
+    walk the schedule in dependency order (schedule.emission_order):
+      F(s, m)    stage s's forward of micro-batch m, on s's device
+      R+B(s, m)  its recompute (if s recomputes) and backward
+    each op waits for the previous op of its device (the schedule's order)
+    and for the ops `schedule.dependencies` names (the data it reads).
 
-Why each detail is there (each was a silent failure when missing):
+Two entry points share the walker:
 
-* One tape per (stage, micro-batch), under the stage's `tf.device`, fed the
-  incoming gradient (`output_gradients`). Differentiating straight through all
-  stages with one tape put every backward op on the device where
-  `tape.gradient` was called.
-* The recompute's input is an identity that has a control dependency on the
-  incoming gradient. Otherwise Grappler's common-subexpression elimination
-  merges the recompute with the original forward and the activations stay
-  alive for the whole step — recompute then saves no memory.
-* Each device's work is chained in schedule order (forward m after forward
-  m−1; backward m after backward m+1). Left to itself the dataflow executor
-  runs micro-batches out of order, and peak memory grows with M instead of
-  shrinking. The chain is a *data* dependency (the previous op's outputs are
-  inputs of the next call, ordered by a control dependency inside it): TF
-  drops control dependencies on the call of an inlined `tf.function`, which
-  silently restored the out-of-order peak, and on TF worker processes a
-  control-dependency chain outside the calls kept stage k+1 from starting
-  before stage k had finished all its forwards (no overlap at all).
-* Each stage's forward and its recompute + backward are `tf.function`s
-  traced once and called per micro-batch, so tracing costs O(K), not
-  O(K·M). (Stages that keep their activations — recompute 'never', or the
-  last stage with 'except_last' — need the forward's tape, so they are
-  emitted inline.)
-* The gradient of the *whole* output is split across micro-batches, so a
-  loss that is Σ per-example / N gives exact gradients; nothing is rescaled.
-* Statistics (BatchNorm's sums) are collected in the forward only, summed
-  over micro-batches on the stage's device, and returned as extra outputs;
-  the recompute runs with no collector, so nothing is counted twice.
+* `run` — differentiable under an ordinary outer `tf.GradientTape`: a
+  `tf.custom_gradient` whose forward emits every F, and whose gradient
+  function emits the rest. That needs a schedule in which every device runs
+  all its forwards before any backward (GPipe).
+* `run_with_loss` — the last stage also computes each micro-batch's loss,
+  so backwards can start while forwards still run (1F1B, interleaved):
+  the forward of the custom gradient emits the whole schedule, and its
+  gradient function only scales the gradients it already has.
 
-Schedule (GPipe, K=3, M=4; F = forward, B = recompute + backward):
+The loss is a weighted mean: each micro-batch's `loss_fn` returns metrics
+`{name: (value, weight)}`; the step's value is Σ value·weight / Σ weight.
+Each backward is seeded with d(value·weight) = 1 and the accumulated
+gradients are divided by Σ weight at the end, which is exact for any split
+into micro-batches (the weights are counts: they must not depend on theta).
 
-    stage 0: F0 F1 F2 F3 .  .  .  .  .  .  B3 B2 B1 B0
-    stage 1: .  F0 F1 F2 F3 .  .  .  B3 B2 B1 B0 .  .
-    stage 2: .  .  F0 F1 F2 F3 B3 B2 B1 B0 .  .  .  .
+What one op computes, and why each detail is there, is in `stage_ops.py`.
+Timing, when `fprop_context.scope(timeline=[])` is open, wraps each op.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Callable, Sequence
 
 import tensorflow as tf
 
 from lingvo_pipe.core import fprop_context
 from lingvo_pipe.pipeline import microbatch
-from lingvo_pipe.core.fprop_context import StatsCollector
+from lingvo_pipe.pipeline import placement as placement_lib
+from lingvo_pipe.pipeline import schedule as schedule_lib
+from lingvo_pipe.pipeline import stage_ops
+from lingvo_pipe.pipeline import walker as walker_lib
+from lingvo_pipe.pipeline.stage_ops import Stage, float_leaves
 
-StageFn = Callable[[Any, tuple[Any, ...]], tuple[Any, ...]]
-RECOMPUTE_POLICIES = ('always', 'except_last', 'never')
+__all__ = ['EngineError', 'Stage', 'run', 'run_with_loss']
 
-
-@dataclasses.dataclass
-class Stage:
-  """One composite stage: `fprop(theta, inputs) -> outputs`, on `device`."""
-  fprop: StageFn
-  theta: Any
-  device: str
+LossFn = Callable[[Any, Any], dict[str, tuple[tf.Tensor, tf.Tensor]]]
 
 
-def _differentiable(x: tf.Tensor) -> bool:
-  return x.dtype.is_floating or x.dtype.is_complex
+EngineError = walker_lib.WalkerError  # A schedule or stages it cannot run.
 
 
-def _float(leaves: Sequence[tf.Tensor]) -> list[tf.Tensor]:
-  return [x for x in leaves if x is not None and _differentiable(x)]
-
-
-def _chained(x: Any, after: Sequence[tf.Tensor]) -> Any:
-  """`x` (a nest) behind identities that wait for `after`."""
-  with tf.control_dependencies(list(after)):
-    return tf.nest.map_structure(tf.identity, x)
-
-
-def _index(m: int) -> tf.Tensor:
-  """Micro-batch index m as a tensor that Grappler will not constant-fold.
-
-  A constant argument makes Grappler specialise the called stage function
-  per value — M optimised copies of every stage body, which made the first
-  call of a K=1, M=8 Transformer step take ~20 s instead of ~1 s.
-  """
-  return tf.compat.v1.placeholder_with_default(tf.constant(m, tf.int32), [])
-
-
-def _unordered(outputs: Sequence[tf.Tensor]) -> None:
-  """Exempts the ops producing `outputs` from tf.function's ordering.
-
-  With a timeline the stage bodies hold `tf.timestamp()`, a stateful op, so
-  their calls become stateful, and tf.function's automatic control
-  dependencies chain every stateful op in program order — all stages in one
-  sequence, no overlap. The calls are already ordered by data; mark them
-  independent instead.
-  """
-  if not outputs or tf.executing_eagerly():
-    return
-  manager = getattr(outputs[0].graph, 'experimental_acd_manager', None)
-  if manager is not None:
-    for op in {t.op for t in outputs}:
-      manager.run_independently(op)
-
-
-def _stamp(after: Sequence[tf.Tensor]) -> tf.Tensor:
-  """`tf.timestamp()` taken once `after` exist."""
-  with tf.control_dependencies(list(after)):
-    return tf.timestamp()
-
-
-class _StageOps:
-  """The ops of one stage: traced forward and recompute+backward bodies."""
-
-  def __init__(self, builder: '_Builder', stage: Stage) -> None:
-    self.b = builder
-    self.stage = stage
-    # Eagerly (debugging, tests) the bodies run op by op: tracing them per
-    # call would only add time.
-    wrap = ((lambda f: f) if tf.executing_eagerly() else
-            (lambda f: tf.function(f, autograph=False, experimental_attributes={'_noinline': True})))
-    self.forward = wrap(self._forward)
-    self.backward = wrap(self._backward)
-
-  def _forward(self, theta: Any, x: Any, after: list[tf.Tensor],
-               m: tf.Tensor, step: tf.Tensor
-              ) -> tuple[Any, dict[str, Any], list[tf.Tensor]]:
-    with tf.device(self.stage.device):
-      return self._forward_on_device(theta, _chained(x, after), m, step)
-
-  def _backward(self, theta: Any, x: Any, dys: list[tf.Tensor],
-                after: list[tf.Tensor], m: tf.Tensor, step: tf.Tensor,
-                acc: Any) -> tuple[list[tf.Tensor], Any, list[tf.Tensor]]:
-    # A called function's ops do not inherit the caller's device scope: left
-    # unpinned they ran on the client, serialising remote stages.
-    with tf.device(self.stage.device):
-      return self._backward_on_device(theta, x, dys, after, m, step, acc)
-
-  def _forward_on_device(self, theta: Any, x: Any, m: tf.Tensor,
-                         step: tf.Tensor
-                        ) -> tuple[Any, dict[str, Any], list[tf.Tensor]]:
-    times = [_stamp(_float(tf.nest.flatten(x)))] if self.b.timed else []
-    collector = StatsCollector()
-    with self.b.scope(m, collector, step), tf.control_dependencies(times):
-      y = self.stage.fprop(theta, x)
-    if self.b.timed:
-      times.append(_stamp(_float(tf.nest.flatten(y))))
-    return y, collector.stats, times
-
-  def _backward_on_device(self, theta: Any, x: Any, dys: list[tf.Tensor],
-                          after: list[tf.Tensor], m: tf.Tensor,
-                          step: tf.Tensor, acc: Any
-                         ) -> tuple[list[tf.Tensor], Any, list[tf.Tensor]]:
-    """dx, and `acc` + this micro-batch's theta gradient: accumulating in
-    the traced body keeps the outer graph from growing by one add per
-    variable and micro-batch (2,000 ops at M=64 for 32 variables)."""
-    # The recompute waits for the incoming gradient (else Grappler merges it
-    # with the forward) and for this device's previous backward (order).
-    x = _chained(x, list(dys) + list(after))
-    times = [_stamp(_float(tf.nest.flatten(x)))] if self.b.timed else []
-    with tf.GradientTape() as tape, tf.control_dependencies(times):
-      x_float = _float(tf.nest.flatten(x))
-      tape.watch([x_float, theta])
-      with self.b.scope(m, None, step):
-        y = self.stage.fprop(theta, x)
-    targets = _float(tf.nest.flatten(y))
-    if self.b.timed:
-      times.append(_stamp(targets))
-    with tf.control_dependencies(times[1:]):
-      dx, dtheta = tape.gradient(
-          targets, (x_float, theta), output_gradients=list(dys),
-          unconnected_gradients=tf.UnconnectedGradients.ZERO)
-    if self.b.timed:
-      times.append(_stamp(tf.nest.flatten((dx, dtheta))))
-    return dx, tf.nest.map_structure(tf.add, acc, dtheta), times
-
-
-class _Builder:
-  """Emits the forward, then (on demand) the backward, of one step."""
-
-  def __init__(self, stages: list[Stage], num_micro_batches: int,
-               recompute: str, batch_dim: int) -> None:
-    if recompute not in RECOMPUTE_POLICIES:
-      raise ValueError(f'recompute={recompute!r}; use one of '
-                       f'{RECOMPUTE_POLICIES}.')
-    self.stages = stages
-    self.m = num_micro_batches
-    self.recompute = recompute
-    self.batch_dim = batch_dim
-    ctx = fprop_context.current()
-    self.step = tf.compat.v1.placeholder_with_default(
-        tf.cast(ctx.step, tf.int64), [])  # Not folded: see _index.
-    self.timeline = ctx.timeline
-    self.timed = ctx.timeline is not None
-    self.ops = [_StageOps(self, stage) for stage in stages]
-    k = len(stages)
-    self.boundary: list[list[Any]] = [[None] * self.m for _ in range(k)]
-    self.outputs: list[list[Any]] = [[None] * self.m for _ in range(k)]
-    self.tapes: dict[tuple[int, int], tf.GradientTape] = {}
-
-  def keeps(self, k: int) -> bool:
-    """True if stage k keeps its forward activations (no recompute)."""
-    last = k == len(self.stages) - 1
-    return self.recompute == 'never' or (self.recompute == 'except_last' and
-                                         last)
-
-  def scope(self, m: Any, stats: StatsCollector | None, step: Any) -> Any:
-    return fprop_context.scope(
-        training=True, step=step, micro_batch_index=m,
-        num_micro_batches=self.m, batch_dim=self.batch_dim, stats=stats)
-
-  def _record(self, k: int, m: int, kinds: str,
-              times: list[tf.Tensor]) -> None:
-    if self.timed:
-      for i, kind in enumerate(kinds):
-        self.timeline.append((k, m, kind, times[i], times[i + 1]))
-
-  def _kept_forward(self, k: int, m: int, theta: Any, x: Any) -> Any:
-    """Inline forward under a tape that the backward will reuse."""
-    times = [_stamp(_float(tf.nest.flatten(x)))] if self.timed else []
-    collector = StatsCollector()
-    with tf.GradientTape() as tape, tf.control_dependencies(times):
-      tape.watch(_float(tf.nest.flatten((x, theta))))
-      with self.scope(m, collector, self.step):
-        y = self.stages[k].fprop(theta, x)
-    self.tapes[(k, m)] = tape
-    if self.timed:
-      times.append(_stamp(_float(tf.nest.flatten(y))))
-    return y, collector.stats, times
-
-  def forward(self, inputs: tuple[Any, ...], thetas: list[Any]
-             ) -> tuple[list[Any], list[dict[str, Any]]]:
-    """Emits all forwards; returns per-micro-batch outputs and stage stats."""
-    with tf.device(self.stages[0].device):  # Not on the client.
-      micro = microbatch.split(inputs, self.m, self.batch_dim)
-    stage_stats = []
-    for k, stage in enumerate(self.stages):
-      totals = StatsCollector()
-      after: list[tf.Tensor] = []
-      for m in range(self.m):
-        with tf.device(stage.device):
-          # Forward m after forward m−1 on this device.
-          if self.keeps(k):  # Inline ops: a control dependency orders them.
-            x = self.boundary[k][m] = _chained(micro[m], after)
-            y, stats, times = self._kept_forward(k, m, thetas[k], x)
-          else:  # A call: the order is a data input (see the module doc).
-            x = self.boundary[k][m] = _chained(micro[m], [])
-            y, stats, times = self.ops[k].forward(
-                thetas[k], x, after or [tf.zeros([])], _index(m), self.step)
-            _unordered(times)
-          self._record(k, m, 'F', times)
-          totals.merge(stats)
-        self.outputs[k][m] = y
-        after = _float(tf.nest.flatten(y))
-      micro = self.outputs[k]
-      stage_stats.append(totals.stats)
-    return self.outputs[-1], stage_stats
-
-  def _stage_backward(self, k: int, m: int, dy: Any, theta: Any,
-                      after: list[tf.Tensor], acc: Any) -> tuple[Any, Any]:
-    """Recompute (unless kept) and backward of stage k, micro-batch m.
-
-    Returns dx and `acc` (None: nothing yet) + the theta gradient.
-    """
-    targets, grads = [], []
-    for y, g in zip(tf.nest.flatten(self.outputs[k][m]), tf.nest.flatten(dy)):
-      if _differentiable(y):
-        targets.append(y)
-        grads.append(tf.zeros_like(y) if g is None else g)
-    x = self.boundary[k][m]
-    if self.keeps(k):
-      wait = grads + after
-      times = [_stamp(wait)] if self.timed else []
-      with tf.control_dependencies(wait + times):
-        dx_float, dtheta = self.tapes.pop((k, m)).gradient(
-            targets, (_float(tf.nest.flatten(x)), theta),
-            output_gradients=grads,
-            unconnected_gradients=tf.UnconnectedGradients.ZERO)
-      if self.timed:
-        times.append(_stamp(tf.nest.flatten((dx_float, dtheta))))
-      self._record(k, m, 'B', times)
-      if acc is not None:
-        dtheta = tf.nest.map_structure(tf.add, acc, dtheta)
-    else:
-      # (`after` and `acc` are never empty/None, so the body is traced
-      # once, not twice.)
-      if acc is None:
-        acc = tf.nest.map_structure(tf.zeros_like, theta)
-      dx_float, dtheta, times = self.ops[k].backward(
-          theta, x, grads, after or [tf.zeros([])], _index(m), self.step,
-          acc)
-      _unordered(times)
-      self._record(k, m, 'RB', times)
-    it = iter(dx_float)
-    dx = [next(it) if _differentiable(v) else None
-          for v in tf.nest.flatten(x)]
-    return tf.nest.pack_sequence_as(x, dx), dtheta
-
-  def backward(self, dys: list[Any], thetas: list[Any]
-              ) -> tuple[Any, list[Any]]:
-    """Emits all backwards; returns (input grads per micro-batch, theta grads)."""
-    num_stages = len(self.stages)
-    theta_grads: list[Any] = [None] * num_stages
-    grads_in = dys
-    for k in reversed(range(num_stages)):
-      grads_out: list[Any] = [None] * self.m
-      after: list[tf.Tensor] = []
-      for m in reversed(range(self.m)):  # Backward m after backward m+1.
-        with tf.device(self.stages[k].device):
-          dy = tf.nest.map_structure(
-              lambda g: g if g is None else tf.identity(g), grads_in[m])
-          dx, theta_grads[k] = self._stage_backward(k, m, dy, thetas[k],
-                                                    after, theta_grads[k])
-        grads_out[m] = dx
-        after = _float(tf.nest.flatten((dx, theta_grads[k])))
-      grads_in = grads_out
-    return grads_in, theta_grads
-
-
-@tf.autograph.experimental.do_not_convert  # Graph code already; see below.
-def run(stages: list[Stage], inputs: tuple[Any, ...], num_micro_batches: int,
-        recompute: str = 'always', batch_dim: int = 0) -> Any:
-  """Pipelined, differentiable forward of `stages` over `inputs`.
-
-  Args:
-    stages: The composite stages in order; stage k's outputs are stage k+1's
-      inputs (a tuple of nests of tensors).
-    inputs: Positional inputs of stage 0; every leaf has the batch on
-      `batch_dim`.
-    num_micro_batches: M; the batch must divide evenly.
-    recompute: 'always' (store only stage inputs; recompute in backward),
-      'except_last' (the last stage keeps its activations: its backward
-      follows its forward immediately) or 'never'.
-    batch_dim: The batch dimension of every leaf.
-
-  AutoGraph is kept out (users' `tf.function`s convert by default): the
-  pipeline is explicit graph code, and converting it and every layer under
-  it only slows tracing and, in one run, broke on a converted constructor.
-
-  Returns:
-    The last stage's outputs for the whole batch (micro-batches concatenated).
-    Statistics added by layers are summed over micro-batches and merged into
-    the caller's `fprop_context` collector, if any.
-  """
-  builder = _Builder(stages, num_micro_batches, recompute, batch_dim)
-  in_leaves = tf.nest.flatten(inputs)
+def _read_thetas(stages: Sequence[Stage]) -> list[Any]:
+  """Each stage's weights, read on its own device."""
   thetas = []
-  for stage in stages:  # Read each stage's weights on its own device.
+  for stage in stages:
     with tf.device(stage.device):
       thetas.append(tf.nest.map_structure(tf.identity, stage.theta))
-  theta_leaves = [tf.nest.flatten(t) for t in thetas]
-  out_struct: list[Any] = []
-  stats_struct: list[Any] = []
+  return thetas
 
-  @tf.custom_gradient
-  def _pipelined(*args: tf.Tensor) -> Any:
-    xs = tf.nest.pack_sequence_as(inputs, list(args[:len(in_leaves)]))
-    pos, ths = len(in_leaves), []
-    for leaves, theta in zip(theta_leaves, thetas):
-      ths.append(tf.nest.pack_sequence_as(theta, list(args[pos:pos +
-                                                             len(leaves)])))
-      pos += len(leaves)
-    micro_outputs, stats = builder.forward(xs, ths)
-    with tf.device(stages[-1].device):
-      out = microbatch.concat(micro_outputs, batch_dim)
-    out_struct.append(out)
-    stats_struct.append(stats)
-    flat_out = tf.nest.flatten(out)
-    flat_stats = tf.nest.flatten(stats)
 
-    def _grad(*dys: tf.Tensor) -> list[tf.Tensor | None]:
-      dy = tf.nest.pack_sequence_as(out, list(dys[:len(flat_out)]))
-      with tf.device(stages[-1].device):
-        dy = tf.nest.map_structure(
-            lambda g, y: tf.zeros_like(y) if g is None else g, dy, out)
-        dy_micro = microbatch.split(dy, num_micro_batches, batch_dim)
-      dx_micro, dthetas = builder.backward(dy_micro, ths)
-      with tf.device(stages[0].device):
-        dx = microbatch.concat(dx_micro, batch_dim)
-      dx_leaves = [g if _differentiable(x) else None
-                   for g, x in zip(tf.nest.flatten(dx), in_leaves)]
-      return dx_leaves + [g for d in dthetas for g in tf.nest.flatten(d)]
+def _pack_args(inputs: Any, thetas: list[Any], args: Sequence[tf.Tensor]
+              ) -> tuple[Any, list[Any]]:
+  """Inverse of flattening (inputs, *thetas) into one argument list."""
+  n = len(tf.nest.flatten(inputs))
+  xs = tf.nest.pack_sequence_as(inputs, list(args[:n]))
+  out, pos = [], n
+  for theta in thetas:
+    k = len(tf.nest.flatten(theta))
+    out.append(tf.nest.pack_sequence_as(theta, list(args[pos:pos + k])))
+    pos += k
+  return xs, out
 
-    return flat_out + flat_stats, _grad
 
-  flat = _pipelined(*in_leaves, *[x for leaves in theta_leaves for x in leaves])
-  n_out = len(tf.nest.flatten(out_struct[0]))
-  outputs = tf.nest.pack_sequence_as(out_struct[0], flat[:n_out])
-  stats = tf.nest.pack_sequence_as(stats_struct[0], flat[n_out:])
+def _forward_prefix(schedule: schedule_lib.Schedule
+                   ) -> tuple[list[Any], list[Any]]:
+  """Emission order split into every F, then every R/B (GPipe-like only)."""
+  for d, ops in enumerate(schedule):
+    kinds = ''.join(op.kind for op in ops)
+    if 'F' in kinds.lstrip('F'):
+      raise EngineError(
+          f'schedule={schedule.name!r} runs a backward on device {d} before '
+          'its last forward, so the loss must be inside the pipeline: use '
+          'PipeliningLayer.FPropLoss (or schedule=\'gpipe\' with FProp).')
+  order = schedule_lib.emission_order(schedule)
+  return ([o for o in order if o[1].kind == 'F'],
+          [o for o in order if o[1].kind != 'F'])
+
+
+def _merge_stats(stats: list[dict[str, Any]]) -> None:
   collector = fprop_context.current().stats
   if collector is not None:
     for stage_stats in stats:
       collector.merge(stage_stats)
-  return outputs
+
+
+@tf.autograph.experimental.do_not_convert  # Graph code already.
+def run(stages: list[Stage], inputs: tuple[Any, ...],
+        schedule: schedule_lib.Schedule, batch_dim: int = 0) -> Any:
+  """Pipelined, differentiable forward of `stages` over `inputs`.
+
+  Args:
+    stages: The composite stages in order; stage s's outputs are stage s+1's
+      inputs (a tuple of nests of tensors).
+    inputs: Positional inputs of stage 0; every leaf has the batch on
+      `batch_dim`.
+    schedule: A schedule whose devices run all forwards first (GPipe).
+    batch_dim: The batch dimension of every leaf.
+
+  Returns:
+    The last stage's outputs for the whole batch (micro-batches
+    concatenated). Statistics added by layers are summed over micro-batches
+    and merged into the caller's `fprop_context` collector, if any.
+  """
+  forward_ops, backward_ops = _forward_prefix(schedule)
+  num_micro = schedule.num_micro_batches
+  walker = walker_lib.Walker(stages, schedule, microbatch.batch_size(
+      inputs, batch_dim, 'pipeline'), batch_dim)
+  thetas = _read_thetas(stages)
+  args = tf.nest.flatten(inputs) + tf.nest.flatten(thetas)
+  structure: list[Any] = []
+
+  @tf.custom_gradient
+  def _pipelined(*flat: tf.Tensor) -> Any:
+    xs, walker.thetas = _pack_args(inputs, thetas, flat)
+    with tf.device(stages[0].device):
+      for m, x in enumerate(microbatch.split(xs, num_micro, batch_dim)):
+        walker.x[(0, m)] = x
+    walker.emit(forward_ops)
+    with tf.device(stages[-1].device):
+      out = microbatch.concat([walker.y[(walker.last, m)]
+                               for m in range(num_micro)], batch_dim)
+    stats = walker.stage_stats()
+    structure.extend([out, stats])
+
+    def _grad(*dys: tf.Tensor) -> list[tf.Tensor | None]:
+      dy = tf.nest.pack_sequence_as(out, list(dys[:len(tf.nest.flatten(out))]))
+      with tf.device(stages[-1].device):
+        dy = tf.nest.map_structure(
+            lambda g, y: tf.zeros_like(y) if g is None else g, dy, out)
+        for m, part in enumerate(microbatch.split(dy, num_micro, batch_dim)):
+          ys = tf.nest.flatten(walker.y[(walker.last, m)])
+          walker.seed[m] = [g for g, y in zip(tf.nest.flatten(part), ys)
+                            if stage_ops.differentiable(y)]
+      walker.emit(backward_ops)
+      with tf.device(stages[0].device):
+        dx = microbatch.concat(walker.input_grads(), batch_dim)
+      return ([g if stage_ops.differentiable(x) else None
+               for g, x in zip(tf.nest.flatten(dx), tf.nest.flatten(inputs))]
+              + [g for a in walker.acc for g in tf.nest.flatten(a)])
+
+    return tf.nest.flatten(out) + tf.nest.flatten(stats), _grad
+
+  flat = _pipelined(*args)
+  out, stats = structure
+  n_out = len(tf.nest.flatten(out))
+  _merge_stats(tf.nest.pack_sequence_as(stats, flat[n_out:]))
+  return tf.nest.pack_sequence_as(out, flat[:n_out])
+
+
+def _loss_stage(stage: Stage, loss_fn: LossFn) -> Stage:
+  """The last stage followed by the loss: outputs (Σ value·weight, metrics)."""
+
+  def _fprop(theta: Any, x: tuple[Any, ...], labels: Any) -> tuple[Any, ...]:
+    out = stage.fprop(theta, x)
+    metrics = loss_fn(out[0] if len(out) == 1 else out, labels)
+    if 'loss' not in metrics:
+      raise EngineError(f'loss_fn returned {sorted(metrics)}; it must return '
+                        "{'loss': (value, weight), ...} per micro-batch.")
+    value, weight = metrics['loss']
+    return value * tf.cast(weight, value.dtype), dict(metrics)
+  return Stage(_fprop, stage.theta, stage.device)
+
+
+def _metric_sums(parts: list[dict[str, tuple[tf.Tensor, tf.Tensor]]]
+                ) -> dict[str, tf.Tensor]:
+  """Per-micro-batch (value, weight) → {name: [Σ value·weight, Σ weight]}."""
+  out = {}
+  for name in parts[0]:
+    weights = [tf.cast(p[name][1], tf.float32) for p in parts]
+    sums = [tf.cast(p[name][0], tf.float32) * w for p, w in zip(parts, weights)]
+    out[name] = tf.stack([tf.add_n(sums), tf.add_n(weights)])
+  return out
+
+
+def _metric_names(loss_fn: LossFn, out_spec: Any, labels: Any) -> list[str]:
+  """The names loss_fn returns, by tracing it on specs (another process runs
+  the last stage, and all processes reduce the metrics together)."""
+  label_spec = tf.nest.map_structure(
+      lambda t: tf.TensorSpec(t.shape, t.dtype), labels)
+  out_spec = out_spec[0] if len(out_spec) == 1 else out_spec
+  traced = tf.function(loss_fn, autograph=False).get_concrete_function(
+      out_spec, label_spec)
+  return sorted(traced.structured_outputs)
+
+
+@tf.autograph.experimental.do_not_convert  # Graph code already.
+def run_with_loss(stages: list[Stage], inputs: tuple[Any, ...], labels: Any,
+                  loss_fn: LossFn, schedule: schedule_lib.Schedule,
+                  batch_dim: int = 0,
+                  placement: placement_lib.Placement | None = None,
+                  specs: walker_lib.Specs | None = None
+                 ) -> dict[str, tuple[tf.Tensor, tf.Tensor]]:
+  """The whole step of any schedule: forwards, losses, backwards.
+
+  Args:
+    stages: As for `run` (only the local ones are read).
+    inputs: As for `run`: this replica's batch.
+    labels: A nest with the batch on `batch_dim`, split like the inputs and
+      given to `loss_fn` on the last stage (never differentiated).
+    loss_fn: (last stage's outputs, labels) of one micro-batch →
+      {'loss': (value, weight), other metrics...}, each a weighted mean.
+    schedule: Any schedule.
+    batch_dim: The batch dimension of every leaf.
+    placement: Which devices run here (default: all). With several
+      processes, the metrics are reduced over every task, and each stage's
+      gradients and statistics over its replicas.
+    specs: Stage s → its input's per-micro-batch spec (s = #stages: the
+      last stage's output); needed when stages run in other processes.
+
+  Returns:
+    {name: (weighted mean over the batch of every replica, Σ weight)}.
+    `loss`'s value is differentiable under an outer tape (the local thetas
+    and the float inputs); the other metrics are not.
+  """
+  num_micro = schedule.num_micro_batches
+  stages = stages[:-1] + [_loss_stage(stages[-1], loss_fn)]
+  walker = walker_lib.Walker(stages, schedule, microbatch.batch_size(
+      inputs, batch_dim, 'pipeline'), batch_dim, placement, specs)
+  placement = walker.placement
+  local = walker.local_stages()
+  thetas = _read_thetas([stages[s] for s in local])
+  structure: list[Any] = []
+
+  @tf.custom_gradient
+  def _step(*flat: tf.Tensor) -> Any:
+    xs, local_thetas = _pack_args(inputs, thetas, flat)
+    walker.thetas = [None] * len(stages)
+    for s, theta in zip(local, local_thetas):
+      walker.thetas[s] = theta
+    _emit_local(walker, xs, labels, batch_dim)
+    sums = _reduced_metrics(walker, loss_fn, labels, specs, batch_dim)
+    metrics = {name: (v[0] / tf.maximum(v[1], 1e-30), v[1])
+               for name, v in sums.items()}
+    scale = 1.0 / tf.maximum(metrics['loss'][1], 1e-30)
+    grads = _scaled_grads(walker, local, scale)
+    dx_leaves = _input_grads(walker, inputs, scale, batch_dim)
+    stats = [walker.stats[s].stats for s in local]
+    if placement.num_replicas > 1:  # BatchNorm sums over every replica.
+      stats = placement.peers.all_reduce(
+          stats, placement.replica_tasks(), ('stats', placement.device))
+    structure.extend([metrics, stats])
+    # Where the loss value is among the flat outputs (dicts flatten sorted).
+    loss_at = tf.nest.flatten(
+        {k: (k == 'loss', False) for k in metrics}).index(True)
+
+    def _grad(*dys: tf.Tensor) -> list[tf.Tensor | None]:
+      d_loss = dys[loss_at]  # Only the loss value is differentiable.
+      return [None if g is None else g * tf.cast(d_loss, g.dtype)
+              for g in dx_leaves + grads]
+
+    return tf.nest.flatten(metrics) + tf.nest.flatten(stats), _grad
+
+  flat = _step(*(tf.nest.flatten(inputs) + tf.nest.flatten(thetas)))
+  metrics, stats = structure
+  n_metrics = len(tf.nest.flatten(metrics))
+  _merge_stats(tf.nest.pack_sequence_as(stats, flat[n_metrics:]))
+  return tf.nest.pack_sequence_as(metrics, flat[:n_metrics])
+
+
+def _emit_local(walker: walker_lib.Walker, xs: Any, labels: Any,
+                batch_dim: int) -> None:
+  """Splits the inputs and labels this process needs, then emits its ops;
+  once F(last, m) exists, seeds its backward: d(Σ value·weight) = 1."""
+  num_micro = walker.schedule.num_micro_batches
+  last = walker.last
+  if walker.is_local(0):
+    with tf.device(walker.stages[0].device):
+      for m, x in enumerate(microbatch.split(xs, num_micro, batch_dim)):
+        walker.x[(0, m)] = x
+  if walker.is_local(last):
+    with tf.device(walker.stages[last].device):
+      walker.side = microbatch.split(labels, num_micro, batch_dim)
+  for d, op in schedule_lib.emission_order(walker.schedule):
+    walker.emit([(d, op)])
+    if op.kind == 'F' and walker.schedule.stage(d, op) == last and (
+        walker.is_local(last)):
+      outputs = float_leaves(walker.y[(last, op.micro_batch)])
+      with tf.device(walker.stages[last].device):
+        walker.seed[op.micro_batch] = (
+            [tf.ones_like(outputs[0])] +
+            [tf.zeros_like(t) for t in outputs[1:]])
+
+
+def _reduced_metrics(walker: walker_lib.Walker, loss_fn: LossFn, labels: Any,
+                     specs: walker_lib.Specs | None, batch_dim: int
+                    ) -> dict[str, tf.Tensor]:
+  """{name: [Σ value·weight, Σ weight]} over the batch of every replica.
+
+  With several processes this all-reduce over every task is also the
+  step's barrier: it waits for this process's sends, and no process starts
+  its next step before all have finished this one.
+  """
+  walker_last = walker.last
+  placement = walker.placement
+  if walker.is_local(walker_last):
+    with tf.device(walker.stages[walker_last].device):
+      sums = _metric_sums([walker.y[(walker_last, m)][1]
+                           for m in range(walker.schedule.num_micro_batches)])
+  else:
+    micro = microbatch.split(labels, walker.schedule.num_micro_batches,
+                             batch_dim)[0]
+    sums = {name: tf.zeros([2]) for name in _metric_names(
+        loss_fn, specs(len(walker.stages)), micro)}
+  if not placement.multi_process:
+    return sums
+  return placement.peers.barrier(sums, key=('metrics',),
+                                 after=walker.tokens)
+
+
+def _scaled_grads(walker: walker_lib.Walker, local: list[int],
+                  scale: tf.Tensor) -> list[tf.Tensor]:
+  """Each local stage's accumulated gradients ÷ Σ weight, summed over the
+  stage's replicas (one synchronous update for the whole global batch)."""
+  placement = walker.placement
+  grads = []
+  for s in local:
+    with tf.device(walker.stages[s].device):
+      grads.append([g * tf.cast(scale, g.dtype)
+                    for g in tf.nest.flatten(walker.acc[s])])
+  if placement.num_replicas > 1:
+    grads = placement.peers.all_reduce(grads, placement.replica_tasks(),
+                                       ('grads', placement.device))
+  return [g for stage_grads in grads for g in stage_grads]
+
+
+def _input_grads(walker: walker_lib.Walker, inputs: Any, scale: tf.Tensor,
+                 batch_dim: int) -> list[tf.Tensor | None]:
+  """Gradients of the float inputs (where stage 0 runs here), ÷ Σ weight."""
+  if not walker.is_local(0):
+    return [None] * len(tf.nest.flatten(inputs))
+  with tf.device(walker.stages[0].device):
+    dx = microbatch.concat(walker.input_grads(), batch_dim)
+  return [g * tf.cast(scale, g.dtype) if stage_ops.differentiable(x)
+          else None for g, x in zip(tf.nest.flatten(dx),
+                                    tf.nest.flatten(inputs))]

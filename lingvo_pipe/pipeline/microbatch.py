@@ -86,13 +86,37 @@ def num_micro_batches(batch_size: int | tf.Tensor, num_micro_batches: int,
 
 
 def split(inputs: Any, num_micro_batches: int, batch_dim: int) -> list[Any]:
-  """[N, ...] leaves → a list of M nests of [N/M, ...] leaves."""
+  """[N, ...] leaves → a list of M nests of [N/M, ...] leaves.
+
+  One slice op per micro-batch, not one Split with M outputs: the engine
+  orders micro-batch m+1 behind m with an identity that waits on m's
+  outputs, and Grappler, removing that identity, moved its wait onto the
+  identity's input; with one Split shared by every micro-batch that made a
+  cycle (Split waits for F0, F0 reads Split) and Grappler gave up
+  optimising the step ("couldn't be sorted in topological order").
+  """
   if num_micro_batches == 1:
     return [inputs]
-  leaves = tf.nest.flatten(inputs)
-  pieces = [tf.split(x, num_micro_batches, axis=batch_dim) for x in leaves]
-  return [tf.nest.pack_sequence_as(inputs, [p[m] for p in pieces])
-          for m in range(num_micro_batches)]
+  leaves = [None if x is None else tf.convert_to_tensor(x)
+            for x in tf.nest.flatten(inputs)]
+  out = []
+  for m in range(num_micro_batches):
+    parts = []
+    for x in leaves:
+      if x is None:
+        parts.append(None)
+        continue
+      n = x.shape[batch_dim]  # Static if known: the slice keeps it.
+      size = (n // num_micro_batches if n is not None else
+              tf.shape(x)[batch_dim] // num_micro_batches)
+      begin = [0] * x.shape.rank
+      begin[batch_dim] = m * size
+      extent = [-1] * x.shape.rank
+      extent[batch_dim] = size
+      parts.append(tf.slice(x, tf.stack(begin), tf.stack(extent)) if
+                   n is None else tf.slice(x, begin, extent))
+    out.append(tf.nest.pack_sequence_as(inputs, parts))
+  return out
 
 
 def concat(micro_outputs: list[Any], batch_dim: int) -> Any:

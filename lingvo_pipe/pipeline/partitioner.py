@@ -387,6 +387,9 @@ class PartitionReport:
   stages: tuple[StageSummary, ...]
   total_cost: float
   cost_unit: str
+  # The same cut by other per-layer costs (e.g. profiled seconds beside
+  # FPropMeta flops): `to_text` shows it in two more columns.
+  second: PartitionReport | None = None
 
   @property
   def num_stages(self) -> int:
@@ -406,22 +409,32 @@ class PartitionReport:
   def to_text(self, num_micro_batches: int | None = None) -> str:
     """An aligned table, one row per stage, then imbalance and bubble."""
     named = any(s.first_name is not None for s in self.stages)
+    second = self.second
+    label = '' if second is None else (
+        'time' if second.cost_unit in ('seconds', 's') else second.cost_unit)
     header = ['stage', 'layers'] + (['names'] if named else []) + [
-        '#layers', 'cost', 'share']
+        '#layers', 'cost', 'share'] + ([label, f'{label} share']
+                                       if second else [])
     rows = []
-    for s in self.stages:
+    for k, s in enumerate(self.stages):
       span = (f'{s.first_layer}' if s.num_layers == 1 else
               f'{s.first_layer}-{s.last_layer}')
       names = ([f'{s.first_name}' if s.num_layers == 1 else
                 f'{s.first_name} … {s.last_name}'] if named else [])
-      rows.append([str(s.index), span] + names + [
+      more = [] if second is None else [
+          format_quantity(second.stages[k].cost, second.cost_unit),
+          f'{100 * second.stages[k].share:.1f}%']
+      rows.append([str(k), span] + names + [
           str(s.num_layers), format_quantity(s.cost, self.cost_unit),
-          f'{100 * s.share:.1f}%'])
-    lines = [format_table(header, rows, 'rl' + ('l' if named else '') + 'rrr'),
+          f'{100 * s.share:.1f}%'] + more)
+    align = 'rl' + ('l' if named else '') + 'rrr' + ('rr' if second else '')
+    lines = [format_table(header, rows, align),
              f'total cost: {format_quantity(self.total_cost, self.cost_unit)}'
              f' over {self.boundaries[-1]} layers in {self.num_stages} stages',
              f'imbalance (max/mean stage cost): {self.imbalance:.3f} '
              '(1.000 is perfect)']
+    if second is not None:
+      lines.append(f'imbalance by {label} (max/mean): {second.imbalance:.3f}')
     if num_micro_batches is not None:
       k, m = self.num_stages, num_micro_batches
       lines.append(f'bubble (K-1)/(M+K-1) with K={k}, M={m}: '
@@ -431,7 +444,9 @@ class PartitionReport:
 
 def make_report(costs: Sequence[float], boundaries: Sequence[int],
                 layer_names: Sequence[str] | None = None,
-                cost_unit: str = 'flops') -> PartitionReport:
+                cost_unit: str = 'flops',
+                second_costs: Sequence[float] | None = None,
+                second_cost_unit: str = 'seconds') -> PartitionReport:
   """Summarises the partition `boundaries` of layers with `costs`.
 
   Args:
@@ -440,16 +455,22 @@ def make_report(costs: Sequence[float], boundaries: Sequence[int],
       `check_split_points`.
     layer_names: optional, one per layer (shown in the table).
     cost_unit: 'flops', 'seconds', 'bytes' or any unit name (for display).
+    second_costs: optional per-layer costs by another estimate (e.g.
+      profiled seconds beside FPropMeta flops): the same cut by them becomes
+      `report.second`, shown in two more columns; the cut is not changed.
+    second_cost_unit: the unit of `second_costs`.
 
   Raises:
-    PartitionError: invalid costs, boundaries or names.
+    PartitionError: invalid costs, boundaries, names or second costs.
   """
   values = _check_costs(costs)
   bounds = check_boundaries(boundaries, len(values))
-  if layer_names is not None and len(layer_names) != len(values):
-    raise PartitionError(
-        f'layer_names has {len(layer_names)} entries but costs has '
-        f'{len(values)}: give one name per layer, or layer_names=None.')
+  for what, given in (('layer_names', layer_names),
+                      ('second_costs', second_costs)):
+    if given is not None and len(given) != len(values):
+      raise PartitionError(
+          f'{what} has {len(given)} entries but costs has {len(values)}: '
+          f'give one per layer, or {what}=None.')
   total = math.fsum(values)
   stages = []
   for k in range(len(bounds) - 1):
@@ -460,4 +481,7 @@ def make_report(costs: Sequence[float], boundaries: Sequence[int],
         first_name=None if layer_names is None else str(layer_names[first]),
         last_name=None if layer_names is None else str(layer_names[last]),
         cost=cost, share=cost / total if total else 1 / (len(bounds) - 1)))
-  return PartitionReport(tuple(bounds), tuple(stages), total, cost_unit)
+  second = (None if second_costs is None else
+            make_report(second_costs, bounds, layer_names, second_cost_unit))
+  return PartitionReport(tuple(bounds), tuple(stages), total, cost_unit,
+                         second)

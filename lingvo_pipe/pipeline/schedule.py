@@ -1,25 +1,30 @@
-"""Pipeline schedules as data: which op each stage runs, in which order.
+"""Pipeline schedules as data: which op each device runs, in which order.
 
-A schedule is a list with one entry per stage: the ordered list of `Op`s that
-stage's device runs in one training step. Keeping it as plain data lets the
-same object drive the engine, the simulator (`simulator.py`) and the tests,
-which check it as a picture: under unit op costs, GPipe's forward pass is the
-fill-drain diagonal "stage k runs micro-batch m at tick k + m".
+A schedule lists, for each device, the ops that device runs in one training
+step, in order. The one object drives the engine (`engine.py` emits each op
+on its device, in this order, in one process or in one process per device),
+the simulator (`simulator.py`) and the tests, which check it as a picture:
+under unit op costs, GPipe's forward pass is the fill-drain diagonal "device
+k runs micro-batch m at tick k + m".
 
-Op kinds, for micro-batch m on stage k:
+Op kinds, for micro-batch m of (virtual) stage s:
 
-  F  forward. Needs F of (k-1, m): the stage's input activations.
+  F  forward. Needs F of (s-1, m): the stage's input activations.
   R  recompute: re-runs the forward to rebuild the activations that F threw
      away. With recompute, the backward of a micro-batch is R then B on that
-     stage. R starts when the gradient of (k+1, m) has arrived, as in the
-     engine, so at most one micro-batch's activations are alive per stage.
-  B  backward. Needs B of (k+1, m) (the output gradient) or, on the last
+     stage. R starts when the gradient of (s+1, m) has arrived, so at most
+     one micro-batch's activations are alive per stage.
+  B  backward. Needs B of (s+1, m) (the output gradient) or, on the last
      stage, its own F (the loss).
 
-Recompute policies: 'always' (R on every stage), 'except_last' (no R on the
-last stage: its backward follows its forward closely, so keeping activations
-there is cheap in time), 'never' (no R; every stage keeps activations of all
-micro-batches in flight).
+Schedules: 'gpipe' (all forwards, then all backwards), '1f1b'
+(PipeDream-flush: K-k forwards in flight on device k instead of M) and
+'interleaved' (Megatron's virtual stages: device d holds chunks c = 0..v-1,
+which are stages s = c·K + d, and the bubble shrinks by v). Each op names
+its chunk; chunk 0 is the only one outside 'interleaved'.
+
+Recompute policies ('always', 'except_last', 'never') decide which stages
+have R ops; `Schedule.recomputes(stage)` is the one place that says so.
 
 >>> [str(op) for op in gpipe_schedule(2, 2, 'never')[0]]
 ['F0', 'F1', 'B1', 'B0']
@@ -27,16 +32,18 @@ micro-batches in flight).
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple, Sequence
+import dataclasses
+from typing import Callable, Iterator, NamedTuple, Sequence
 
 __all__ = [
     'Op', 'RECOMPUTE_POLICIES', 'SCHEDULES', 'Schedule', 'ScheduleError',
-    'check_schedule', 'clock_cycles', 'dependencies', 'gpipe_schedule',
-    'make_schedule', 'one_f_one_b_schedule', 'run_times',
+    'check_schedule', 'clock_cycles', 'dependencies', 'emission_order',
+    'gpipe_schedule', 'interleaved_schedule', 'make_schedule',
+    'one_f_one_b_schedule', 'run_times',
 ]
 
 RECOMPUTE_POLICIES = ('always', 'except_last', 'never')
-SCHEDULES = ('gpipe', '1f1b')
+SCHEDULES = ('gpipe', '1f1b', 'interleaved')
 
 
 class ScheduleError(ValueError):
@@ -44,15 +51,59 @@ class ScheduleError(ValueError):
 
 
 class Op(NamedTuple):
-  """One unit of work on a stage: kind 'F', 'R' or 'B' of one micro-batch."""
+  """One unit of work on a device: kind 'F', 'R' or 'B' of one micro-batch
+  of one of the device's chunks (virtual stages)."""
   kind: str
   micro_batch: int
+  chunk: int = 0
 
   def __str__(self) -> str:
-    return f'{self.kind}{self.micro_batch}'
+    suffix = f'c{self.chunk}' if self.chunk else ''
+    return f'{self.kind}{self.micro_batch}{suffix}'
 
 
-Schedule = list[list[Op]]
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+  """Per-device op lists, and what they were built for.
+
+  Indexing and iterating give the op list of each device, so a schedule
+  reads like the plain list of lists that the module functions also accept.
+  """
+  name: str
+  ops: tuple[tuple[Op, ...], ...]
+  num_micro_batches: int
+  recompute: str
+  num_chunks: int = 1
+
+  def __getitem__(self, device: int) -> tuple[Op, ...]:
+    return self.ops[device]
+
+  def __len__(self) -> int:
+    return len(self.ops)
+
+  def __iter__(self) -> Iterator[tuple[Op, ...]]:
+    return iter(self.ops)
+
+  @property
+  def num_devices(self) -> int:
+    return len(self.ops)
+
+  @property
+  def num_stages(self) -> int:
+    """Virtual stages: num_devices × num_chunks."""
+    return len(self.ops) * self.num_chunks
+
+  def stage(self, device: int, op: Op) -> int:
+    """The (virtual) stage that `op` on `device` belongs to."""
+    return op.chunk * len(self.ops) + device
+
+  def place(self, stage: int) -> tuple[int, int]:
+    """(device, chunk) of a stage."""
+    return stage % len(self.ops), stage // len(self.ops)
+
+  def recomputes(self, stage: int) -> bool:
+    """Whether `stage` rebuilds its activations (R) instead of keeping them."""
+    return _recomputes(stage, self.num_stages, self.recompute)
 
 
 def _check(num_stages: int, num_micro_batches: int, recompute: str) -> None:
@@ -70,36 +121,44 @@ def _recomputes(stage: int, num_stages: int, recompute: str) -> bool:
                                    stage < num_stages - 1)
 
 
-def _backward(stage: int, m: int, num_stages: int, recompute: str) -> list[Op]:
+def _backward(stage: int, num_stages: int, recompute: str, m: int,
+              chunk: int = 0) -> list[Op]:
   if _recomputes(stage, num_stages, recompute):
-    return [Op('R', m), Op('B', m)]
-  return [Op('B', m)]
+    return [Op('R', m, chunk), Op('B', m, chunk)]
+  return [Op('B', m, chunk)]
+
+
+def _schedule(name: str, ops: list[list[Op]], num_micro_batches: int,
+              recompute: str, num_chunks: int = 1) -> Schedule:
+  return Schedule(name, tuple(tuple(o) for o in ops), num_micro_batches,
+                  recompute, num_chunks)
 
 
 def gpipe_schedule(num_stages: int, num_micro_batches: int,
                    recompute: str = 'always') -> Schedule:
   """GPipe fill-drain: all forwards in order, then backwards in reverse.
 
-  This is the order the engine emits. Stage k runs F0 .. F(M-1), then
-  [R(M-1)] B(M-1) .. [R0] B0.
+  Stage k runs F0 .. F(M-1), then [R(M-1)] B(M-1) .. [R0] B0; every
+  stage holds all M micro-batches in flight.
   """
   _check(num_stages, num_micro_batches, recompute)
   out = []
   for k in range(num_stages):
     ops = [Op('F', m) for m in range(num_micro_batches)]
     for m in reversed(range(num_micro_batches)):
-      ops += _backward(k, m, num_stages, recompute)
+      ops += _backward(k, num_stages, recompute, m)
     out.append(ops)
-  return out
+  return _schedule('gpipe', out, num_micro_batches, recompute)
 
 
 def one_f_one_b_schedule(num_stages: int, num_micro_batches: int,
                          recompute: str = 'always') -> Schedule:
-  """PipeDream-Flush (1F1B): the same step time as GPipe, less memory.
+  """PipeDream-flush (1F1B): the same step time as GPipe, less memory.
 
   Stage k warms up with min(K-k-1, M) forwards, then alternates one forward
-  and one backward, then cools down with the remaining backwards. A stage
-  holds at most K-k micro-batches in flight instead of M.
+  and one backward, then drains the remaining backwards; one synchronous
+  update follows the step, as in GPipe. A stage holds at most K-k
+  micro-batches in flight instead of M.
   """
   _check(num_stages, num_micro_batches, recompute)
   out = []
@@ -108,71 +167,135 @@ def one_f_one_b_schedule(num_stages: int, num_micro_batches: int,
     ops = [Op('F', m) for m in range(warmup)]
     for m in range(num_micro_batches - warmup):
       ops.append(Op('F', m + warmup))
-      ops += _backward(k, m, num_stages, recompute)
+      ops += _backward(k, num_stages, recompute, m)
     for m in range(num_micro_batches - warmup, num_micro_batches):
-      ops += _backward(k, m, num_stages, recompute)
+      ops += _backward(k, num_stages, recompute, m)
     out.append(ops)
-  return out
+  return _schedule('1f1b', out, num_micro_batches, recompute)
+
+
+def interleaved_schedule(num_devices: int, num_micro_batches: int,
+                         recompute: str = 'always',
+                         num_chunks: int = 2) -> Schedule:
+  """Interleaved 1F1B (Megatron-LM): v chunks per device, bubble ÷ v.
+
+  Device d holds stages d, d+K, …, d+(v-1)·K. Forwards go in groups of K
+  micro-batches per chunk (chunk 0 of micro-batches 0..K-1, then chunk 1
+  of the same, …); device d warms up with 2·(K-d-1) + (v-1)·K forwards,
+  then alternates one forward and one backward (backwards visit the chunks
+  in reverse), then drains. M must be a multiple of K.
+  """
+  _check(num_devices, num_micro_batches, recompute)
+  if isinstance(num_chunks, bool) or not isinstance(num_chunks, int) or (
+      num_chunks < 1):
+    raise ScheduleError(f'num_chunks must be an int ≥ 1, got {num_chunks!r}.')
+  k, m_total, v = num_devices, num_micro_batches, num_chunks
+  if m_total % k:
+    raise ScheduleError(
+        f'The interleaved schedule needs num_micro_batches to be a multiple '
+        f'of the {k} devices, got {m_total}; use e.g. num_micro_batches='
+        f'{k * max(1, round(m_total / k))}.')
+  total = m_total * v
+
+  def _pick(i: int, backward: bool) -> tuple[int, int]:
+    chunk = (i // k) % v
+    return (i // (k * v)) * k + i % k, (v - 1 - chunk if backward else chunk)
+
+  out = []
+  for d in range(k):
+    warmup = min((k - d - 1) * 2 + (v - 1) * k, total)
+    ops = [Op('F', *_pick(i, False)) for i in range(warmup)]
+    for i in range(total):
+      if warmup + i < total:
+        ops.append(Op('F', *_pick(warmup + i, False)))
+      m, c = _pick(i, True)
+      ops += _backward(c * k + d, k * v, recompute, m, c)
+    out.append(ops)
+  return _schedule('interleaved', out, num_micro_batches, recompute, v)
 
 
 def make_schedule(name: str, num_stages: int, num_micro_batches: int,
-                  recompute: str = 'always') -> Schedule:
-  """The schedule called `name` ('gpipe' or '1f1b')."""
+                  recompute: str = 'always', num_chunks: int = 1) -> Schedule:
+  """The schedule called `name`; `num_stages` counts devices.
+
+  `num_chunks` (virtual stages per device) applies to 'interleaved' only.
+  """
   if name == 'gpipe':
     return gpipe_schedule(num_stages, num_micro_batches, recompute)
   if name == '1f1b':
     return one_f_one_b_schedule(num_stages, num_micro_batches, recompute)
+  if name == 'interleaved':
+    return interleaved_schedule(num_stages, num_micro_batches, recompute,
+                                num_chunks)
   raise ScheduleError(f'schedule={name!r} is not one of {SCHEDULES}.')
 
 
-def dependencies(schedule: Sequence[Sequence[Op]], stage: int,
+def _has_r(ops: Sequence[Op]) -> set[int]:
+  """The chunks that recompute on a device (R ops present)."""
+  return {op.chunk for op in ops if op.kind == 'R'}
+
+
+def dependencies(schedule: Sequence[Sequence[Op]], device: int,
                  op: Op) -> list[tuple[int, Op]]:
-  """The (stage, op) pairs that must finish before `op` starts on `stage`."""
-  recomputes = any(o.kind == 'R' for o in schedule[stage])
-  return _dependencies(stage, op, len(schedule), recomputes)
+  """The (device, op) pairs that must finish before `op` starts on `device`."""
+  return _dependencies(device, op, len(schedule),
+                       _num_chunks(schedule), op.chunk in _has_r(
+                           schedule[device]))
 
 
-def _dependencies(k: int, op: Op, num_stages: int,
+def _num_chunks(schedule: Sequence[Sequence[Op]]) -> int:
+  return 1 + max((op.chunk for ops in schedule for op in ops), default=0)
+
+
+def _dependencies(d: int, op: Op, num_devices: int, num_chunks: int,
                   recomputes: bool) -> list[tuple[int, Op]]:
-  m = op.micro_batch
+  m, c = op.micro_batch, op.chunk
+  stage = c * num_devices + d
+  last = num_devices * num_chunks - 1
+
+  def _at(s: int, kind: str) -> tuple[int, Op]:
+    return s % num_devices, Op(kind, m, s // num_devices)
+
   if op.kind == 'F':
-    return [(k - 1, Op('F', m))] if k > 0 else []
+    return [_at(stage - 1, 'F')] if stage > 0 else []
   # The output gradient; on the last stage, the loss from its own F.
-  upstream = [(k + 1, Op('B', m))] if k < num_stages - 1 else []
+  upstream = [_at(stage + 1, 'B')] if stage < last else []
   if op.kind == 'R':
-    return [(k, Op('F', m))] + upstream
-  return [(k, Op('R', m) if recomputes else Op('F', m))] + upstream
+    return [(d, Op('F', m, c))] + upstream
+  return [(d, Op('R' if recomputes else 'F', m, c))] + upstream
 
 
 def check_schedule(schedule: Sequence[Sequence[Op]]) -> int:
   """Checks that every stage runs F and B of each micro-batch exactly once.
 
-  R, where present on a stage, must also appear exactly once per micro-batch.
+  R, where present for a chunk of a device, must also appear exactly once
+  per micro-batch of that chunk.
 
   Returns:
     The number of micro-batches M.
 
   Raises:
-    ScheduleError: naming the stage and the missing or extra ops.
+    ScheduleError: naming the device and the missing or extra ops.
   """
-  if not schedule:
+  if not schedule or not schedule[0]:
     raise ScheduleError('The schedule has no stages; give one op list per '
-                        'stage, e.g. gpipe_schedule(num_stages, M).')
-  num_micro_batches = sum(op.kind == 'F' for op in schedule[0])
-  want = {Op(kind, m) for kind in 'FB' for m in range(num_micro_batches)}
-  for k, ops in enumerate(schedule):
+                        'device, e.g. gpipe_schedule(num_stages, M).')
+  num_chunks = _num_chunks(schedule)
+  num_micro_batches = sum(op.kind == 'F' for op in schedule[0]) // num_chunks
+  for d, ops in enumerate(schedule):
     bad = [str(op) for op in ops if op.kind not in 'FRB' or len(op.kind) != 1]
     if bad:
-      raise ScheduleError(f'Stage {k} has ops of unknown kind {bad}; kinds '
+      raise ScheduleError(f'Stage {d} has ops of unknown kind {bad}; kinds '
                           'are F, R and B.')
-    expected = want | ({Op('R', m) for m in range(num_micro_batches)}
-                       if any(op.kind == 'R' for op in ops) else set())
+    expected = {Op(kind, m, c) for c in range(num_chunks)
+                for m in range(num_micro_batches)
+                for kind in ('FRB' if c in _has_r(ops) else 'FB')}
     if len(ops) != len(set(ops)) or set(ops) != expected:
       missing = sorted(str(op) for op in expected - set(ops))
       extra = sorted({str(op) for op in ops if ops.count(op) > 1} |
                      {str(op) for op in set(ops) - expected})
       raise ScheduleError(
-          f'Stage {k} must run F and B (and R, if any) of micro-batches '
+          f'Stage {d} must run F and B (and R, if any) of micro-batches '
           f'0..{num_micro_batches - 1} exactly once; missing {missing}, '
           f'repeated or unexpected {extra}.')
   return num_micro_batches
@@ -181,50 +304,51 @@ def check_schedule(schedule: Sequence[Sequence[Op]]) -> int:
 def run_times(schedule: Sequence[Sequence[Op]],
               op_time: Callable[[int, Op], float],
               transfer_time: float = 0.0) -> list[list[tuple[float, float]]]:
-  """(start, end) of every op when each stage runs its list in order.
+  """(start, end) of every op when each device runs its list in order.
 
-  An op starts once its stage is free and its dependencies are done; a
-  dependency on another stage also pays `transfer_time` (activations or
+  An op starts once its device is free and its dependencies are done; a
+  dependency on another device also pays `transfer_time` (activations or
   gradients crossing devices).
 
   Args:
-    schedule: ops per stage, e.g. from `gpipe_schedule`.
-    op_time: duration of `op` on `stage`.
-    transfer_time: per micro-batch stage-to-stage transfer time.
+    schedule: ops per device, e.g. from `gpipe_schedule`.
+    op_time: duration of `op` on `device`.
+    transfer_time: per micro-batch device-to-device transfer time.
 
   Returns:
     Same shape as `schedule`: the (start, end) of each op.
 
   Raises:
-    ScheduleError: a malformed schedule (`check_schedule`), or stages that
+    ScheduleError: a malformed schedule (`check_schedule`), or devices that
       wait on each other forever (the message lists the stuck ops).
   """
   check_schedule(schedule)
-  num_stages = len(schedule)
-  recomputes = [any(op.kind == 'R' for op in ops) for ops in schedule]
+  num_devices, num_chunks = len(schedule), _num_chunks(schedule)
+  recomputes = [_has_r(ops) for ops in schedule]
   done: dict[tuple[int, Op], float] = {}
   times: list[list[tuple[float, float]]] = [[] for _ in schedule]
-  free = [0.0] * num_stages
+  free = [0.0] * num_devices
   while True:
     progressed = False
-    for k, ops in enumerate(schedule):
-      while len(times[k]) < len(ops):
-        op = ops[len(times[k])]
-        deps = _dependencies(k, op, num_stages, recomputes[k])
-        if any(d not in done for d in deps):
+    for d, ops in enumerate(schedule):
+      while len(times[d]) < len(ops):
+        op = ops[len(times[d])]
+        deps = _dependencies(d, op, num_devices, num_chunks,
+                             op.chunk in recomputes[d])
+        if any(dep not in done for dep in deps):
           break
-        start = max([free[k]] + [
-            done[(s, d)] + (transfer_time if s != k else 0.0)
-            for s, d in deps])
-        end = start + op_time(k, op)
-        times[k].append((start, end))
-        done[(k, op)] = free[k] = end
+        start = max([free[d]] + [
+            done[(s, o)] + (transfer_time if s != d else 0.0)
+            for s, o in deps])
+        end = start + op_time(d, op)
+        times[d].append((start, end))
+        done[(d, op)] = free[d] = end
         progressed = True
     if all(len(t) == len(ops) for t, ops in zip(times, schedule)):
       return times
     if not progressed:
-      stuck = [f'stage {k}: {ops[len(times[k])]}'
-               for k, ops in enumerate(schedule) if len(times[k]) < len(ops)]
+      stuck = [f'stage {d}: {ops[len(times[d])]}'
+               for d, ops in enumerate(schedule) if len(times[d]) < len(ops)]
       raise ScheduleError('The schedule cannot finish; these ops wait on '
                           f'ops that never run first: {", ".join(stuck)}.')
 
@@ -235,5 +359,18 @@ def clock_cycles(schedule: Sequence[Sequence[Op]]) -> list[list[int]]:
   >>> clock_cycles(gpipe_schedule(2, 2, 'never'))
   [[0, 1, 4, 5], [1, 2, 3, 4]]
   """
-  times = run_times(schedule, lambda k, op: 1.0)
-  return [[int(start) for start, _ in stage] for stage in times]
+  times = run_times(schedule, lambda d, op: 1.0)
+  return [[int(start) for start, _ in ops] for ops in times]
+
+
+def emission_order(schedule: Sequence[Sequence[Op]]) -> list[tuple[int, Op]]:
+  """Every (device, op) in an order that respects all dependencies.
+
+  The unit-cost clock, ties broken by device: the order in which a single
+  Python thread can emit the ops (each op's inputs exist when it is
+  emitted), and in which eager execution runs them.
+  """
+  ticks = clock_cycles(schedule)
+  return [(d, op) for _, d, op in sorted(
+      (t, d, op) for d, ops in enumerate(schedule)
+      for op, t in zip(ops, ticks[d]))]

@@ -83,7 +83,7 @@ class StageCost:
 
 
 class Event(NamedTuple):
-  """One op on the timeline."""
+  """One op on the timeline (stage: the virtual stage; see `device`)."""
   stage: int
   micro_batch: int
   kind: str  # 'F', 'R' or 'B'.
@@ -94,19 +94,21 @@ class Event(NamedTuple):
 @dataclasses.dataclass(frozen=True)
 class SimResult:
   """The predicted step; see `to_text` for a table."""
-  stages: tuple[StageCost, ...]
+  stages: tuple[StageCost, ...]  # Per (virtual) stage.
   num_micro_batches: int
   recompute: str
   schedule: str
   transfer_time: float
   step_time: float
-  busy: tuple[float, ...]  # Per stage: time spent running ops.
-  peak_activation_bytes: tuple[float, ...]  # Per stage.
+  busy: tuple[float, ...]  # Per device: time spent running ops.
+  peak_activation_bytes: tuple[float, ...]  # Per device.
   events: tuple[Event, ...]  # Sorted by start time.
+  num_chunks: int = 1  # Virtual stages per device (interleaved).
 
   @property
   def num_stages(self) -> int:
-    return len(self.stages)
+    """Devices (K); stage s of `stages` runs on device s mod K."""
+    return len(self.stages) // self.num_chunks
 
   @property
   def idle(self) -> tuple[float, ...]:
@@ -121,8 +123,10 @@ class SimResult:
 
   @property
   def analytic_bubble_fraction(self) -> float:
-    """(K-1)/(M+K-1): GPipe's bubble for equal stages and free transfers."""
-    return partitioner.bubble_fraction(self.num_stages, self.num_micro_batches)
+    """(K-1)/(M+K-1), ÷ v with v chunks per device (interleaved): the
+    bubble for equal stages and free transfers."""
+    return partitioner.bubble_fraction(
+        self.num_stages, self.num_micro_batches) / self.num_chunks
 
   @property
   def single_device_time(self) -> float:
@@ -144,39 +148,51 @@ class SimResult:
     header = ['stage', 'forward', 'backward', 'recompute', 'busy', 'idle',
               'busy %', 'peak act. mem', 'params']
     rows = []
-    for k, s in enumerate(self.stages):
-      has_r = any(e.kind == 'R' for e in self.events if e.stage == k)
+    for k in range(self.num_stages):
+      mine = [self.stages[s] for s in range(k, len(self.stages),
+                                            self.num_stages)]
+      has_r = any(e.kind == 'R' for e in self.events
+                  if e.stage % self.num_stages == k)
       busy_share = self.busy[k] / self.step_time if self.step_time else 1.0
+
+      def total(kind: str, mine=mine) -> float:
+        return math.fsum(s.time(kind) for s in mine)
+
       rows.append([
-          str(k), t(s.time('F')), t(s.time('B')),
-          t(s.time('R')) if has_r else '-', t(self.busy[k]), t(self.idle[k]),
+          str(k), t(total('F')), t(total('B')),
+          t(total('R')) if has_r else '-', t(self.busy[k]), t(self.idle[k]),
           f'{100 * busy_share:.1f}%',
           format_quantity(self.peak_activation_bytes[k], 'bytes'),
-          format_quantity(s.param_bytes, 'bytes')])
+          format_quantity(math.fsum(s.param_bytes for s in mine), 'bytes')])
     k, m = self.num_stages, self.num_micro_batches
+    chunks = f' × {self.num_chunks} chunks' if self.num_chunks > 1 else ''
     return '\n'.join([
-        f'schedule={self.schedule}, recompute={self.recompute}, K={k}, M={m}, '
+        f'schedule={self.schedule}, recompute={self.recompute}, K={k}{chunks}, '
+        f'M={m}, '
         f'transfer_time={t(self.transfer_time)} (forward, backward, recompute: '
         'per micro-batch; busy, idle: per step)',
         partitioner.format_table(header, rows, 'r' + 'r' * 8),
         f'step time: {t(self.step_time)}',
         f'bubble fraction: {100 * self.bubble_fraction:.1f}% simulated, '
-        f'{100 * self.analytic_bubble_fraction:.1f}% analytic (K-1)/(M+K-1)',
+        f'{100 * self.analytic_bubble_fraction:.1f}% analytic (K-1)/(M+K-1)'
+        + (f' ÷ {self.num_chunks} chunks' if self.num_chunks > 1 else ''),
         f'predicted speed-up vs one device: '
         f'{self.speedup_vs_single_device:.2f}× (ideal {k}×)'])
 
 
 def simulate(stages: Sequence[StageCost], num_micro_batches: int,
              recompute: str = 'always', schedule: str = 'gpipe',
-             transfer_time: float = 0.0) -> SimResult:
+             transfer_time: float = 0.0, num_chunks: int = 1) -> SimResult:
   """Replays one training step of a K-stage, M-micro-batch pipeline.
 
   Args:
-    stages: one StageCost per stage (K = len(stages)).
+    stages: one StageCost per (virtual) stage: K × num_chunks of them,
+      stage s on device s mod K.
     num_micro_batches: M.
     recompute: 'always', 'except_last' or 'never' (see `schedule.py`).
-    schedule: 'gpipe' or '1f1b'.
+    schedule: 'gpipe', '1f1b' or 'interleaved'.
     transfer_time: per micro-batch stage-to-stage transfer time.
+    num_chunks: virtual stages per device (interleaved only).
 
   Returns:
     A SimResult.
@@ -188,39 +204,46 @@ def simulate(stages: Sequence[StageCost], num_micro_batches: int,
     raise SimulationError(f'stages must be a non-empty list of StageCost, got '
                           f'{stages!r}.')
   _check_amount('transfer_time', transfer_time)
+  if (isinstance(num_chunks, bool) or not isinstance(num_chunks, int) or
+      num_chunks < 1 or len(stages) % num_chunks):
+    raise SimulationError(f'num_chunks={num_chunks!r} must be an int ≥ 1 '
+                          f'that divides the {len(stages)} stages.')
+  devices = len(stages) // num_chunks
   try:
-    ops = schedule_lib.make_schedule(schedule, len(stages), num_micro_batches,
-                                     recompute)
+    ops = schedule_lib.make_schedule(schedule, devices, num_micro_batches,
+                                     recompute, num_chunks)
   except schedule_lib.ScheduleError as e:
     raise SimulationError(str(e)) from e
   times = schedule_lib.run_times(
-      ops, lambda k, op: stages[k].time(op.kind), transfer_time)
+      ops, lambda d, op: stages[ops.stage(d, op)].time(op.kind),
+      transfer_time)
   events = sorted(
-      (Event(k, op.micro_batch, op.kind, start, end)
-       for k, stage_ops in enumerate(ops)
-       for op, (start, end) in zip(stage_ops, times[k])),
+      (Event(ops.stage(d, op), op.micro_batch, op.kind, start, end)
+       for d, device_ops in enumerate(ops)
+       for op, (start, end) in zip(device_ops, times[d])),
       key=lambda e: (e.start, e.stage))
   step_time = max((e.end for e in events), default=0.0)
-  busy = tuple(math.fsum(e.end - e.start for e in events if e.stage == k)
-               for k in range(len(stages)))
-  peaks = tuple(_peak_memory(stages[k], [e for e in events if e.stage == k])
-                for k in range(len(stages)))
+  busy = tuple(math.fsum(e.end - e.start for e in events
+                         if e.stage % devices == d) for d in range(devices))
+  peaks = tuple(_peak_memory(stages, [e for e in events
+                                      if e.stage % devices == d])
+                for d in range(devices))
   return SimResult(tuple(stages), num_micro_batches, recompute, schedule,
-                   float(transfer_time), step_time, busy, peaks, tuple(events))
+                   float(transfer_time), step_time, busy, peaks,
+                   tuple(events), num_chunks)
 
 
-def _peak_memory(cost: StageCost, events: list[Event]) -> float:
-  """The most bytes one stage holds at once (see the module docstring)."""
-  when = {(e.kind, e.micro_batch): e for e in events}
-  recomputes = any(e.kind == 'R' for e in events)
+def _peak_memory(stages: Sequence[StageCost], events: list[Event]) -> float:
+  """The most bytes one device holds at once (see the module docstring)."""
+  when = {(e.stage, e.kind, e.micro_batch): e for e in events}
   changes = []  # (time, bytes); frees sort before allocations at equal times.
-  for (kind, m), e in when.items():
+  for (s, kind, m), e in when.items():
     if kind != 'B':
       continue
-    start = when[('F', m)].start
-    if recomputes:
+    cost, start = stages[s], when[(s, 'F', m)].start
+    if (s, 'R', m) in when:
       changes += [(start, cost.boundary_bytes), (e.end, -cost.boundary_bytes),
-                  (when[('R', m)].start, cost.activation_bytes),
+                  (when[(s, 'R', m)].start, cost.activation_bytes),
                   (e.end, -cost.activation_bytes)]
     else:
       held = cost.boundary_bytes + cost.activation_bytes

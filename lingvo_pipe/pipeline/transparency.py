@@ -136,12 +136,14 @@ def _unpipelined(layers: list[Any], thetas: list[Any],
   """Loss, outputs and theta gradients of plain autodiff, micro-batch by
   micro-batch (M=1: the whole batch)."""
   micro = microbatch.split(tuple(inputs), num_micro_batches, batch_dim)
+  n = microbatch.batch_size(inputs, batch_dim, 'reference')
   outs = []
   with tf.GradientTape() as tape:
     for i, x in enumerate(micro):
-      with fprop_context.scope(training=True, step=step, micro_batch_index=i,
-                               num_micro_batches=num_micro_batches,
-                               batch_dim=batch_dim):
+      with fprop_context.scope(
+          training=True, step=step, micro_batch_index=i,
+          num_micro_batches=num_micro_batches, batch_axis=batch_dim,
+          first_example=i * n // num_micro_batches, global_batch_size=n):
         for layer, theta in zip(layers, thetas):
           x = layer.FProp(theta, *x)
           x = x if isinstance(x, tuple) else (x,)
@@ -177,7 +179,7 @@ def check_transparency(params: Any, inputs: tuple[Any, ...],
   net = params.Instantiate()
   twin = params.Copy().Set(
       layers=float64_layer_params(list(params.layers)), num_stages=1,
-      split_points=None, devices=None).Instantiate()
+      split_points=None, devices=None, schedule='gpipe').Instantiate()
   n = microbatch.batch_size(inputs, net.params.batch_dim, net.path)
   if loss_fn is None:
     loss_fn = lambda out: tf.add_n([  # pylint: disable=g-long-lambda

@@ -196,7 +196,8 @@ class AmoebaCellLayer(base_layer.BaseLayer):
         flops=total.flops + adds, out_shapes=(out, x),
         param_bytes=total.param_bytes,
         out_bytes=total.out_bytes - metas[1].out_bytes * int(prev_p is None) +
-        (adds + shape_lib.num_elements(out)) * dtype.size)
+        (adds + shape_lib.num_elements(out)) * dtype.size,
+        out_dtypes=(dtype, dtype))
 
 
 # ---- Stem and head ----------------------------------------------------------
@@ -230,7 +231,8 @@ class StemLayer(base_layer.BaseLayer):
   def FPropMeta(cls, p: Params, images: tf.TensorShape) -> LayerMeta:
     sub = cls._Plan(p).Set(name=f'{p.name}.conv')
     meta = child_meta(amoebanet_ops.ReluConvBnLayer, sub, images)
-    return dataclasses.replace(meta, out_shapes=meta.out_shapes * 2)
+    return dataclasses.replace(meta, out_shapes=meta.out_shapes * 2,
+                               out_dtypes=meta.out_dtypes * 2)
 
 
 class HeadLayer(base_layer.BaseLayer):

@@ -22,14 +22,14 @@ import tensorflow as tf
 
 from lingvo_pipe.core import base_layer
 from lingvo_pipe.core import base_model
-from lingvo_pipe.core import gpipe
+from lingvo_pipe.core import pipelined_task
 from lingvo_pipe.core.hyperparams import InstantiableParams, Params
 from lingvo_pipe.core.nested_map import NestedMap
 from lingvo_pipe.layers import softmax
 from lingvo_pipe.tasks.image import amoebanet
 
 
-class ImageClassifierTask(base_model.BaseTask):
+class ImageClassifierTask(pipelined_task.PipelinedTask):
   """Classifies `batch.image` [N, H, W, C] into `batch.label` [N] classes."""
 
   @classmethod
@@ -37,22 +37,23 @@ class ImageClassifierTask(base_model.BaseTask):
     p = super().Params()
     p.Define('network', amoebanet.amoebanet_params(), 'The AmoebaNet-D(L, D) '
              'network; the pipeline runs network_layers(network).')
-    p.Define('pipeline', gpipe.PipeliningLayer.Params(), 'How the network '
-             'is pipelined (num_stages, num_micro_batches, ...). Leave '
-             'layers empty (they come from task.network); input_shapes None '
-             'means [[None, H, W, C]] from network.image_shape.')
     p.Define('label_smoothing', 0.1, 'ε of the cross-entropy (GPipe\'s '
              'AmoebaNet recipe: 0.1).')
     return p
 
-  def __init__(self, params: InstantiableParams) -> None:
-    super().__init__(params)
-    self.CreateChild('pipeline', pipeline_params(self.params, self.path))
+  @classmethod
+  def PipelineParams(cls, p: Params, where: str = '') -> InstantiableParams:
+    """task.pipeline with the layers of task.network (leave its layers
+    empty; input_shapes None means [[None, H, W, C]])."""
+    return pipeline_params(p, where)
 
-  def ComputePredictions(self, theta: NestedMap,
-                         batch: NestedMap) -> tf.Tensor:
-    """Logits [N, num_classes]."""
-    return self.children.pipeline.FProp(theta.pipeline, batch.image)
+  @classmethod
+  def PipelineInputs(cls, batch: NestedMap) -> tuple[tf.Tensor]:
+    return (batch.image,)  # → logits [N, num_classes].
+
+  @classmethod
+  def LossInputs(cls, batch: NestedMap) -> NestedMap:
+    return NestedMap(label=batch.label)
 
   def ComputeLoss(self, theta: NestedMap, predictions: tf.Tensor,
                   batch: NestedMap) -> base_model.Metrics:
@@ -74,15 +75,6 @@ class ImageClassifierTask(base_model.BaseTask):
 
   def CreateEvalAggregator(self) -> 'AccuracyAggregator':
     return AccuracyAggregator()
-
-  def Inspect(self) -> str:
-    return self.children.pipeline.Inspect()
-
-  def Summaries(self) -> dict[str, float]:
-    pipeline = self.children.pipeline
-    m = pipeline.params.num_micro_batches or 1
-    return {'pipeline/partition_imbalance': pipeline.report.imbalance,
-            'pipeline/bubble_fraction': pipeline.report.bubble_fraction(m)}
 
 
 def _correct(logits: tf.Tensor, labels: tf.Tensor) -> tf.Tensor:

@@ -4,10 +4,10 @@
     loss    = Σ_tokens w · xent_ε(logits, tgt_labels) / Σ_tokens w
               (w = 1 − tgt_paddings, ε = label_smoothing)
 
-The loss is computed outside the pipeline, on the logits of the whole batch:
-the engine splits the gradient of any function of the concatenated outputs
-exactly across micro-batches, so a token mean over the batch (not a mean of
-micro-batch means) is what every micro-batch's gradient belongs to.
+In training the loss is computed in the pipeline's last stage, micro-batch
+by micro-batch (PipelinedTask), as a weighted mean: the engine combines
+each micro-batch's (token mean, number of tokens) into the token mean over
+the whole batch, and its gradient, exactly.
 
 Evaluation (`EvalStep`, inference mode) computes the teacher-forced metrics
 and decodes the source (greedy, or beam search with `beam_size` > 1); the
@@ -28,6 +28,7 @@ from lingvo_pipe import extras
 from lingvo_pipe.core import base_layer
 from lingvo_pipe.core import base_model
 from lingvo_pipe.core import gpipe
+from lingvo_pipe.core import pipelined_task
 from lingvo_pipe.core.hyperparams import InstantiableParams
 from lingvo_pipe.core.nested_map import NestedMap
 from lingvo_pipe.layers import softmax
@@ -101,14 +102,12 @@ def pipeline_inputs(batch: NestedMap) -> tuple[tf.Tensor, ...]:
           tf.cast(batch.tgt_paddings, tf.float32))
 
 
-class TranslationTask(base_model.BaseTask):
+class TranslationTask(pipelined_task.PipelinedTask):
   """Source ids → target logits through `p.pipeline`; decodes in eval."""
 
   @classmethod
   def Params(cls) -> InstantiableParams:
     p = super().Params()
-    p.Define('pipeline', gpipe.PipeliningLayer.Params(), 'The network: a '
-             'PipeliningLayer over transformer_layers(...).')
     p.Define('label_smoothing', 0.1, 'ε of the training loss (the '
              'Transformer\'s 0.1); log_pplx is reported without it.')
     p.Define('beam_size', 1, 'Decoding in eval: 1 = greedy, K > 1 = beam '
@@ -129,15 +128,18 @@ class TranslationTask(base_model.BaseTask):
           f'{self.path}: need beam_size ≥ 1, max_decode_len ≥ 1 and '
           f'length_penalty ≥ 0, got {p.beam_size}, {p.max_decode_len} and '
           f'{p.length_penalty}; e.g. 4, 64 and 0.6.')
-    self.CreateChild('pipeline', p.pipeline)
     self._decoder = decoder.PipelineDecoder(self.children.pipeline)
 
   # ---- Training -------------------------------------------------------------
-  def ComputePredictions(self, theta: NestedMap,
-                         batch: NestedMap) -> tf.Tensor:
-    """Logits [B, T, V] of the teacher-forced decoder."""
-    return self.children.pipeline.FProp(theta.pipeline,
-                                        *pipeline_inputs(batch))
+  @classmethod
+  def PipelineInputs(cls, batch: NestedMap) -> tuple[tf.Tensor, ...]:
+    """→ logits [B, T, V] of the teacher-forced decoder."""
+    return pipeline_inputs(batch)
+
+  @classmethod
+  def LossInputs(cls, batch: NestedMap) -> NestedMap:
+    return NestedMap(tgt_paddings=batch.tgt_paddings,
+                     tgt_labels=batch.tgt_labels)
 
   def ComputeLoss(self, theta: NestedMap, predictions: tf.Tensor,
                   batch: NestedMap) -> base_model.Metrics:
@@ -183,16 +185,6 @@ class TranslationTask(base_model.BaseTask):
 
   def CreateEvalAggregator(self) -> 'BleuAggregator':
     return BleuAggregator(self.params.vocab_path or None)
-
-  # ---- Reports ---------------------------------------------------------------
-  def Inspect(self) -> str:
-    return self.children.pipeline.Inspect()
-
-  def Summaries(self) -> dict[str, float]:
-    pipeline = self.children.pipeline
-    m = pipeline.params.num_micro_batches or 1
-    return {'pipeline/partition_imbalance': pipeline.report.imbalance,
-            'pipeline/bubble_fraction': pipeline.report.bubble_fraction(m)}
 
 
 class BleuAggregator(base_model.WeightedMeanAggregator):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import tensorflow as tf
 
 from lingvo_pipe.core import base_model
-from lingvo_pipe.core import gpipe
+from lingvo_pipe.core import pipelined_task
 from lingvo_pipe.core.hyperparams import InstantiableParams
 from lingvo_pipe.core.nested_map import NestedMap
 from lingvo_pipe.layers import linear
@@ -35,7 +35,7 @@ def mlp_layers(input_dim: int, hidden_dims: list[int],
   return layers
 
 
-class RegressionTask(base_model.BaseTask):
+class RegressionTask(pipelined_task.PipelinedTask):
   """Predicts y from x with `p.pipeline`; loss = mean squared error.
 
   Metrics: `loss` (mean over examples of the mean over output dims of the
@@ -43,19 +43,12 @@ class RegressionTask(base_model.BaseTask):
   """
 
   @classmethod
-  def Params(cls) -> InstantiableParams:
-    p = super().Params()
-    p.Define('pipeline', gpipe.PipeliningLayer.Params(), 'The network: a '
-             'PipeliningLayer over mlp_layers(...), x → predictions.')
-    return p
+  def PipelineInputs(cls, batch: NestedMap) -> tuple[tf.Tensor]:
+    return (batch.x,)
 
-  def __init__(self, params: InstantiableParams) -> None:
-    super().__init__(params)
-    self.CreateChild('pipeline', self.params.pipeline)
-
-  def ComputePredictions(self, theta: NestedMap,
-                         batch: NestedMap) -> tf.Tensor:
-    return self.children.pipeline.FProp(theta.pipeline, batch.x)
+  @classmethod
+  def LossInputs(cls, batch: NestedMap) -> NestedMap:
+    return NestedMap(y=batch.y)
 
   def ComputeLoss(self, theta: NestedMap, predictions: tf.Tensor,
                   batch: NestedMap) -> base_model.Metrics:
@@ -66,12 +59,3 @@ class RegressionTask(base_model.BaseTask):
         'loss': (tf.reduce_mean(tf.square(err)), weight),
         'mean_abs_error': (tf.reduce_mean(tf.abs(err)), weight),
     }
-
-  def Inspect(self) -> str:
-    return self.children.pipeline.Inspect()
-
-  def Summaries(self) -> dict[str, float]:
-    pipeline = self.children.pipeline
-    m = pipeline.params.num_micro_batches or 1
-    return {'pipeline/partition_imbalance': pipeline.report.imbalance,
-            'pipeline/bubble_fraction': pipeline.report.bubble_fraction(m)}

@@ -28,12 +28,12 @@ def _numpy_metrics(ckpt, dataset):
   v = {k.split('/.ATTRIBUTES')[0].replace('task/pipeline/', ''):
        np.asarray(x, np.float64) for k, x in br.read_checkpoint(ckpt).items()}
   h = data['x'].astype(np.float64)
-  for fc, bn in (('layers_0', 'layers_1'), ('layers_2', 'layers_3')):
+  for fc, bn in (('fc0', 'bn0'), ('fc1', 'bn1')):
     h = np.maximum(h @ v[f'{fc}/w'] + v[f'{fc}/b'], 0.0)
     h = ((h - v[f'{bn}/moving_mean']) /
          np.sqrt(v[f'{bn}/moving_variance'] + 1e-3) * v[f'{bn}/gamma'] +
          v[f'{bn}/beta'])
-  err = h @ v['layers_4/w'] + v['layers_4/b'] - data['y']
+  err = h @ v['out/w'] + v['out/b'] - data['y']
   return {'loss': np.mean(err**2), 'mean_abs_error': np.mean(np.abs(err))}
 
 

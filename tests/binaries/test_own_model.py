@@ -96,6 +96,7 @@ def test_an_unregistered_class_is_one_line_naming_the_decorator(tmp_path):
     ('lingvo_pipe_trainer', ['--model', '--logdir', '--timeline_steps',
                              '--model_params_override', '--max_steps']),
     ('lingvo_pipe_evaler', ['--logdir', '--eval_dataset', '--mode']),
+    ('lingvo_pipe_launch', ['--num_stages', '--num_replicas']),
     ('lingvo_pipe_prepare_data', ['--datasets', '--data_dir']),
 ])
 def test_help_lists_the_flags(tmp_path, script, flags):

@@ -30,7 +30,7 @@ def test_logdir_holds_params_checkpoints_and_summaries(trained_logdir):
   slots = [n for n in values if n.startswith('optimizer/_slots/')]
   assert len(slots) == 2 * len(weights)  # Adam: m and v per weight.
   # BatchNorm statistics were folded into the moving averages.
-  assert np.abs(values['task/pipeline/layers_1/moving_mean/.ATTRIBUTES/'
+  assert np.abs(values['task/pipeline/bn0/moving_mean/.ATTRIBUTES/'
                        'VARIABLE_VALUE']).max() > 0
 
   scalars = summaries.read_scalars(str(trained_logdir / 'train'))

@@ -151,9 +151,12 @@ def test_paths():
   root = Tree.Params().Set(name='model').Instantiate()
   assert [layer.path for layer in root.Walk()] == [
       'model', 'model.fc', 'model.stack[0]', 'model.stack[1]']
+  # A pipeline keys its layers by name (unnamed: layer<i>), not position.
   pipe = gpipe.PipeliningLayer.Params().Set(
-      name='model', layers=[Dense.Params()] * 4, num_stages=1).Instantiate()
-  assert pipe.children.layers[3].path == 'model.layers[3]'
+      name='model', layers=[Dense.Params()] * 3 + [
+          Dense.Params().Set(name='head')], num_stages=1).Instantiate()
+  assert [layer.path for layer in pipe.children.layers] == [
+      'model.layer0', 'model.layer1', 'model.layer2', 'model.head']
 
 
 def test_create_children_places_variables_on_devices():

@@ -17,7 +17,8 @@ def test_default_is_an_inference_context():
   ctx = fprop_context.current()
   assert ctx == fprop_context.FPropContext()
   assert (ctx.training, ctx.step, ctx.micro_batch_index,
-          ctx.num_micro_batches, ctx.batch_dim) == (False, 0, 0, 1, 0)
+          ctx.num_micro_batches, ctx.batch_axis, ctx.first_example,
+          ctx.global_batch_size) == (False, 0, 0, 1, 0, 0, None)
   assert ctx.stats is None and ctx.timeline is None
 
 

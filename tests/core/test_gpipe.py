@@ -21,191 +21,18 @@ from lingvo_pipe.core import base_layer
 from lingvo_pipe.core import fprop_context
 from lingvo_pipe.core import gpipe
 from lingvo_pipe.pipeline import transparency
-from lingvo_pipe.core.nested_map import NestedMap
-from lingvo_pipe.layers import conv
-from lingvo_pipe.layers import dropout
 from lingvo_pipe.layers import embedding
 from lingvo_pipe.layers import linear
-from lingvo_pipe.layers import normalization
-from lingvo_pipe.layers import pooling
-from lingvo_pipe.layers import shape
-from lingvo_pipe.layers import transformer
 
-DEVICES = [f'/device:CPU:{k}' for k in range(4)]
-BATCH = 8
-POLICIES = ('always', 'except_last', 'never')
-
-
-def _conv_bn_stack() -> tuple[list, list, callable]:
-  """Conv → BN → Conv → BN → pool → flatten → FC (with dropout)."""
-  layers = [
-      conv.Conv2DLayer.Params().Set(name='c0', filter_shape=(3, 3, 2, 4),
-                                    activation='RELU'),
-      normalization.BatchNormLayer.Params().Set(name='bn0', dim=4),
-      conv.Conv2DLayer.Params().Set(name='c1', filter_shape=(3, 3, 4, 4),
-                                    filter_stride=(2, 2)),
-      normalization.BatchNormLayer.Params().Set(name='bn1', dim=4),
-      pooling.PoolingLayer.Params().Set(name='pool'),
-      shape.FlattenLayer.Params().Set(name='flat'),
-      dropout.DropoutLayer.Params().Set(name='drop', dropout_rate=0.3),
-      linear.FCLayer.Params().Set(name='fc', input_dim=16, output_dim=3),
-  ]
-  shapes = [[BATCH, 8, 8, 2]]
-
-  def _inputs(rng):
-    return (tf.constant(rng.randn(BATCH, 8, 8, 2).astype(np.float32)),)
-  return layers, shapes, _inputs
-
-
-def _transformer_stack() -> tuple[list, list, callable]:
-  """Four pre-LN encoder layers carrying (x, paddings) between stages."""
-  layers = [transformer.TransformerEncoderLayer.Params().Set(
-      name=f'enc{i}', input_dim=8, num_heads=2, hidden_dim=16,
-      residual_dropout_prob=0.1) for i in range(4)]
-  shapes = [[BATCH, 5, 8], [BATCH, 5]]
-
-  def _inputs(rng):
-    x = tf.constant(rng.randn(BATCH, 5, 8).astype(np.float32))
-    lengths = rng.randint(1, 6, size=BATCH)
-    paddings = (np.arange(5)[None, :] >= lengths[:, None]).astype(np.float32)
-    return x, tf.constant(paddings)
-  return layers, shapes, _inputs
-
-
-class _Fork(base_layer.BaseLayer):
-  """x → NestedMap(x=fc(x), skip=x): a skip tensor that crosses stages."""
-
-  @classmethod
-  def Params(cls):
-    p = super().Params()
-    p.Define('dim', 4, 'Depth.')
-    return p
-
-  def __init__(self, params):
-    super().__init__(params)
-    self.CreateChild('fc', linear.FCLayer.Params().Set(
-        input_dim=self.params.dim, output_dim=self.params.dim,
-        activation='TANH'))
-
-  def FProp(self, theta, x):
-    x = tf.cast(x, self.fprop_dtype)  # As library layers do.
-    return NestedMap(x=self.children.fc.FProp(theta.fc, x), skip=x)
-
-  @classmethod
-  def FPropMeta(cls, p, x):
-    return base_layer.LayerMeta.build(
-        p, flops=2 * x.num_elements() * p.dim, out_shapes=(
-            NestedMap(x=x, skip=x),), num_params=p.dim * p.dim + p.dim)
-
-
-class _Carry(_Fork):
-  """NestedMap(x, skip) → NestedMap(fc(x), skip): passes the skip on."""
-
-  def FProp(self, theta, m):
-    return NestedMap(x=self.children.fc.FProp(theta.fc, m.x), skip=m.skip)
-
-  @classmethod
-  def FPropMeta(cls, p, m):
-    return base_layer.LayerMeta.build(
-        p, flops=2 * m.x.num_elements() * p.dim, out_shapes=(m,),
-        num_params=p.dim * p.dim + p.dim)
-
-
-class _Join(_Fork):
-  """NestedMap(x, skip) → fc(x) + skip."""
-
-  def FProp(self, theta, m):
-    return self.children.fc.FProp(theta.fc, m.x) + m.skip
-
-  @classmethod
-  def FPropMeta(cls, p, m):
-    return base_layer.LayerMeta.build(
-        p, flops=2 * m.x.num_elements() * p.dim, out_shapes=(m.x,),
-        num_params=p.dim * p.dim + p.dim)
-
-
-def _nested_stack() -> tuple[list, list, callable]:
-  layers = ([_Fork.Params().Set(name='fork')] +
-            [_Carry.Params().Set(name=f'carry{i}') for i in range(4)] +
-            [_Join.Params().Set(name='join')])
-
-  def _inputs(rng):
-    return (tf.constant(rng.randn(BATCH, 4).astype(np.float32)),)
-  return layers, [[BATCH, 4]], _inputs
-
-
-MODELS = {'conv_bn': _conv_bn_stack, 'transformer': _transformer_stack,
-          'nested': _nested_stack}
-
-
-def _net(model: str, **kw) -> tuple[gpipe.PipeliningLayer, tuple]:
-  layers, shapes, make_inputs = MODELS[model]()
-  p = gpipe.PipeliningLayer.Params().Set(
-      name='net', layers=layers, input_shapes=shapes, devices=DEVICES, **kw)
-  return p.Instantiate(), make_inputs(np.random.RandomState(1))
-
-
-def _float64_twin(net: gpipe.PipeliningLayer) -> gpipe.PipeliningLayer:
-  """The same layers and paths computing in float64 (run on net.theta)."""
-  p = net.params.Copy().Set(
-      layers=transparency.float64_layer_params(list(net.params.layers)),
-      num_stages=1, split_points=None)
-  return p.Instantiate()
-
-
-def _loss(out) -> tf.Tensor:
-  x = out[0] if isinstance(out, tuple) else out
-  w = tf.cast(tf.range(tf.size(x[0])) % 5 - 2, x.dtype)  # Fixed projection.
-  per_example = tf.reduce_sum(tf.reshape(x, [BATCH, -1]) * w, 1) + tf.reduce_sum(
-      tf.reshape(x, [BATCH, -1])**2, 1)
-  return tf.reduce_sum(per_example) / BATCH
-
-
-def _pipelined(net, inputs, step=7):
-  collector = fprop_context.StatsCollector()
-  with tf.GradientTape() as tape:
-    with fprop_context.scope(training=True, step=step, stats=collector):
-      out = net.FProp(net.theta, *inputs)
-    loss = _loss(out)
-  grads = tape.gradient(loss, net.theta)
-  return loss, out, grads, collector.stats
-
-
-def _reference(net, inputs, num_micro_batches, step=7, layers=None):
-  """Plain autodiff over the same layers, micro-batch by micro-batch.
-
-  `layers` (default net's) run on net.theta: a float64 twin's, say.
-  """
-  layers = layers or net.children.layers
-  collector = fprop_context.StatsCollector()
-  m = num_micro_batches
-  micro = [tf.split(x, m) for x in inputs]
-  outs = []
-  with tf.GradientTape() as tape:
-    for i in range(m):
-      x = tuple(parts[i] for parts in micro)
-      with fprop_context.scope(training=True, step=step, micro_batch_index=i,
-                               num_micro_batches=m, stats=collector):
-        for layer, theta in zip(layers, net.theta.layers):
-          out = layer.FProp(theta, *x)
-          x = out if isinstance(out, tuple) else (out,)
-      outs.append(x)
-    out = tuple(tf.concat(list(parts), 0) for parts in zip(*outs))
-    out = out[0] if len(out) == 1 else out
-    loss = _loss(out)
-  return loss, out, tape.gradient(loss, net.theta), collector.stats
-
-
-def _max_rel_diff(a, b) -> float:
-  return transparency.max_rel_diff(a, b)[0]
+import pipeline_stacks as stacks  # pylint: disable=g-bad-import-order
 
 
 # The full product runs eagerly (the same builder code, stage functions and
 # custom gradient; cheap to run); a subset also runs under tf.function, where
 # Grappler and the dataflow executor get their say.
-CASES = [(model, k, m, r, 'eager') for model in MODELS
-         for k, m, r in itertools.product((1, 2, 4), (1, 2, 4, 8), POLICIES)]
-CASES += [(model, k, m, r, 'graph') for model in MODELS
+CASES = [(model, k, m, r, 'eager') for model in stacks.MODELS
+         for k, m, r in itertools.product((1, 2, 4), (1, 2, 4, 8), stacks.POLICIES)]
+CASES += [(model, k, m, r, 'graph') for model in stacks.MODELS
           for k, m, r in ((2, 4, 'except_last'), (2, 2, 'never'),
                           (4, 8, 'always'))]
 
@@ -214,12 +41,12 @@ CASES += [(model, k, m, r, 'graph') for model in MODELS
     'model,num_stages,num_micro_batches,recompute,mode', CASES)
 def test_pipelined_equals_unpipelined(model, num_stages, num_micro_batches,
                                       recompute, mode):
-  net, inputs = _net(model, num_stages=num_stages,
+  net, inputs = stacks.net(model, num_stages=num_stages,
                      num_micro_batches=num_micro_batches, recompute=recompute)
-  twin = _float64_twin(net).children.layers
-  run = lambda: _pipelined(net, inputs)
-  ref = lambda: _reference(net, inputs, num_micro_batches)
-  exact = lambda: _reference(net, inputs, num_micro_batches, layers=twin)
+  twin = stacks.float64_twin(net).children.layers
+  run = lambda: stacks.pipelined(net, inputs)
+  ref = lambda: stacks.reference(net, inputs, num_micro_batches)
+  exact = lambda: stacks.reference(net, inputs, num_micro_batches, layers=twin)
   if mode == 'graph':
     run = tf.function(run)
     if model == 'conv_bn':
@@ -238,37 +65,37 @@ def test_pipelined_equals_unpipelined(model, num_stages, num_micro_batches,
 
 
 def test_batch_norm_counts_every_example_once():
-  net, inputs = _net('conv_bn', num_stages=4, num_micro_batches=4)
-  stats = tf.function(lambda: _pipelined(net, inputs)[3])()
-  assert sorted(stats) == ['net.layers[1]', 'net.layers[3]']
+  net, inputs = stacks.net('conv_bn', num_stages=4, num_micro_batches=4)
+  stats = tf.function(lambda: stacks.pipelined(net, inputs)[3])()
+  assert sorted(stats) == ['net.bn0', 'net.bn1']
   # bn0 sees 8×8 positions of every example, bn1 4×4 (after stride 2).
-  assert float(stats['net.layers[1]'].count) == BATCH * 8 * 8
-  assert float(stats['net.layers[3]'].count) == BATCH * 4 * 4
+  assert float(stats['net.bn0'].count) == stacks.BATCH * 8 * 8
+  assert float(stats['net.bn1'].count) == stacks.BATCH * 4 * 4
 
 
 def test_dropout_mask_is_the_same_in_forward_and_recompute():
   # With rate 0.3 in front of the FC, a recompute that redrew the mask would
   # give the FC weight a gradient of a different function than the loss.
-  net, inputs = _net('conv_bn', num_stages=2, num_micro_batches=2,
+  net, inputs = stacks.net('conv_bn', num_stages=2, num_micro_batches=2,
                      recompute='always')
-  got = _pipelined(net, inputs, step=3)
-  want = _reference(net, inputs, 2, step=3)
-  assert _max_rel_diff(got[2], want[2]) < 1e-5
-  other_step = _reference(net, inputs, 2, step=4)
-  assert _max_rel_diff(got[1], other_step[1]) > 1e-3  # Masks do change by step.
+  got = stacks.pipelined(net, inputs, step=3)
+  want = stacks.reference(net, inputs, 2, step=3)
+  assert stacks.max_rel_diff(got[2], want[2]) < 1e-5
+  other_step = stacks.reference(net, inputs, 2, step=4)
+  assert stacks.max_rel_diff(got[1], other_step[1]) > 1e-3  # Masks do change by step.
 
 
 def test_initial_weights_do_not_depend_on_stages_or_micro_batches():
-  nets = [_net('transformer', num_stages=k, num_micro_batches=m)[0]
+  nets = [stacks.net('transformer', num_stages=k, num_micro_batches=m)[0]
           for k, m in ((1, 1), (2, 4), (4, 8))]
   for other in nets[1:]:
-    assert _max_rel_diff(other.theta, nets[0].theta) == 0.0
+    assert stacks.max_rel_diff(other.theta, nets[0].theta) == 0.0
 
 
 def test_explicit_split_points_and_auto_partition():
-  net, _ = _net('nested', num_stages=3, split_points=[1, 5])
+  net, _ = stacks.net('nested', num_stages=3, split_points=[1, 5])
   assert net.boundaries == [0, 1, 5, 6]
-  auto, _ = _net('nested', num_stages=3)
+  auto, _ = stacks.net('nested', num_stages=3)
   assert auto.boundaries[0] == 0 and auto.boundaries[-1] == 6
   assert len(auto.report.stages) == 3
   # Variables live on their stage's device.
@@ -277,12 +104,12 @@ def test_explicit_split_points_and_auto_partition():
 
 
 def test_inference_runs_whole_batch_stage_by_stage():
-  net, inputs = _net('transformer', num_stages=2, num_micro_batches=4)
+  net, inputs = stacks.net('transformer', num_stages=2, num_micro_batches=4)
   out = net.FProp(net.theta, *inputs)
   x = inputs
   for layer, theta in zip(net.children.layers, net.theta.layers):
     x = layer.FProp(theta, *x)
-  assert _max_rel_diff(out, x) == 0.0
+  assert stacks.max_rel_diff(out, x) == 0.0
 
 
 @pytest.mark.parametrize('kw,match', [
@@ -290,22 +117,22 @@ def test_inference_runs_whole_batch_stage_by_stage():
     (dict(num_stages=2, num_micro_batches=16), 'exceeds the batch size'),
 ])
 def test_bad_micro_batching_is_named(kw, match):
-  net, inputs = _net('nested', **kw)
+  net, inputs = stacks.net('nested', **kw)
   with pytest.raises(ValueError, match=match):
-    _pipelined(net, inputs)
+    stacks.pipelined(net, inputs)
 
 
 def test_bad_stage_and_device_counts_are_named():
   with pytest.raises(ValueError, match='num_stages=7 but there are 6 layers'):
-    _net('nested', num_stages=7)
-  layers, shapes, _ = _nested_stack()
+    stacks.net('nested', num_stages=7)
+  layers, shapes, _ = stacks.nested_stack()
   p = gpipe.PipeliningLayer.Params().Set(
       name='net', layers=layers, input_shapes=shapes, num_stages=3,
-      devices=DEVICES[:2])
+      devices=stacks.DEVICES[:2])
   with pytest.raises(ValueError, match='3 stages but only 2 devices'):
     p.Instantiate()
   # Soft placement would silently run a missing device's stage elsewhere.
-  p.devices = DEVICES[:2] + ['/device:CPU:9']
+  p.devices = stacks.DEVICES[:2] + ['/device:CPU:9']
   with pytest.raises(RuntimeError, match=r"devices\[2\]='/device:CPU:9' "
                      'does not exist'):
     p.Instantiate()
@@ -317,34 +144,34 @@ def test_shape_mismatch_between_layers_is_named():
             linear.FCLayer.Params().Set(name='fc1', input_dim=5,
                                         output_dim=3)]
   p = gpipe.PipeliningLayer.Params().Set(
-      name='net', layers=layers, input_shapes=[[BATCH, 4]], num_stages=2,
-      devices=DEVICES)
+      name='net', layers=layers, input_shapes=[[stacks.BATCH, 4]], num_stages=2,
+      devices=stacks.DEVICES)
   with pytest.raises(ValueError, match=r'net.layers\[1\] \(FCLayer'):
     p.Instantiate()
 
 
 def test_fprop_meta_of_whole_pipeline_sums_layers():
-  layers, shapes, _ = _conv_bn_stack()
+  layers, shapes, _ = stacks.conv_bn_stack()
   p = gpipe.PipeliningLayer.Params().Set(name='net', layers=layers)
   meta = gpipe.PipeliningLayer.FPropMeta(p, *base_layer.as_shape(shapes))
   metas = gpipe.layer_metas(layers, shapes)
   assert meta.flops == sum(m.flops for m in metas)
   assert meta.out_shapes == metas[-1].out_shapes
-  assert meta.out_shapes[0].as_list() == [BATCH, 3]
+  assert meta.out_shapes[0].as_list() == [stacks.BATCH, 3]
 
 
 def test_timeline_does_not_serialise_the_stages():
   # Regression: tf.timestamp() made the stage calls stateful, and
   # tf.function's automatic control dependencies then chained every call in
   # program order — stage 1 could not start before stage 0 had finished.
-  net, inputs = _net('nested', num_stages=2, num_micro_batches=4)
+  net, inputs = stacks.net('nested', num_stages=2, num_micro_batches=4)
 
   @tf.function
   def _step():
     timeline = []
     with tf.GradientTape() as tape:
       with fprop_context.scope(training=True, step=1, timeline=timeline):
-        loss = _loss(net.FProp(net.theta, *inputs))
+        loss = stacks.square_loss(net.FProp(net.theta, *inputs))
     tape.gradient(loss, net.theta)
     return [tf.stack(r[3:]) for r in timeline]
 
@@ -364,8 +191,8 @@ def test_integer_inputs_and_sparse_gradients():
             linear.FCLayer.Params().Set(name='fc', input_dim=4, output_dim=3)]
   p = gpipe.PipeliningLayer.Params().Set(
       name='net', layers=layers, num_stages=2, num_micro_batches=4,
-      input_shapes=[[BATCH, 3]], devices=DEVICES)
-  ids = tf.constant(np.random.RandomState(2).randint(0, 11, [BATCH, 3]),
+      input_shapes=[[stacks.BATCH, 3]], devices=stacks.DEVICES)
+  ids = tf.constant(np.random.RandomState(2).randint(0, 11, [stacks.BATCH, 3]),
                     tf.int32)
   report = transparency.check_transparency(p, (ids,), step=1)
   assert report.ok(), report
@@ -392,7 +219,7 @@ def _matmuls_by_device(graph: tf.Graph) -> dict[str, int]:
   return counts
 
 
-@pytest.mark.parametrize('recompute', POLICIES)
+@pytest.mark.parametrize('recompute', stacks.POLICIES)
 def test_forward_recompute_and_backward_run_on_the_stage_device(recompute):
   # The trap: one tape over every stage puts all backward matmuls on the
   # first device. Each stage's 2 layers × M=2 micro-batches must have their
@@ -403,7 +230,7 @@ def test_forward_recompute_and_backward_run_on_the_stage_device(recompute):
             for i in range(4)]
   p = gpipe.PipeliningLayer.Params().Set(
       name='net', layers=layers, num_stages=2, split_points=[2],
-      num_micro_batches=2, recompute=recompute, devices=DEVICES[:2])
+      num_micro_batches=2, recompute=recompute, devices=stacks.DEVICES[:2])
   net = p.Instantiate()
   x = tf.ones([4, 8])
 
@@ -416,6 +243,6 @@ def test_forward_recompute_and_backward_run_on_the_stage_device(recompute):
 
   counts = _matmuls_by_device(_step.get_concrete_function().graph)
   recomputes = {'always': (1, 1), 'except_last': (1, 0), 'never': (0, 0)}
-  expected = {DEVICES[k]: 2 * 2 * (3 + recomputes[recompute][k])
+  expected = {stacks.DEVICES[k]: 2 * 2 * (3 + recomputes[recompute][k])
               for k in range(2)}
   assert counts == expected

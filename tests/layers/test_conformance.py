@@ -107,6 +107,9 @@ def _check_meta(cls, p, shapes, outputs, layer, has_compute, linear_in_batch):
                        tf.nest.flatten(real)):
     assert want.as_list() == got.as_list(), (
         f'{name}: FPropMeta out_shapes {meta.out_shapes} != real {real}')
+  dtypes = [t.dtype for t in tf.nest.flatten(_as_tuple(outputs))]
+  assert list(meta.out_dtypes) == dtypes, (
+      f'{name}: FPropMeta out_dtypes {meta.out_dtypes} != real {dtypes}')
   real_bytes = sum(v.shape.num_elements() * v.dtype.size
                    for v in tf.nest.flatten(layer.theta))
   assert meta.param_bytes == real_bytes, (

@@ -9,10 +9,14 @@ from lingvo_pipe.core import fprop_context
 from lingvo_pipe.layers import dropout
 
 
-def _drop(x, rate=0.5, key='model.drop', step=7, mb=0, m=1, batch_dim=0,
+def _drop(x, rate=0.5, key='model.drop', step=7, mb=0, m=1, batch_axis=0,
           noise_shape_fn=None):
+  """Dropout of micro-batch `mb` of `m` (x is that micro-batch)."""
+  b = np.shape(x)[batch_axis] if batch_axis < np.ndim(x) else 1
+  global_fields = dict(first_example=mb * b, global_batch_size=m * b)
   with fprop_context.scope(training=True, step=step, micro_batch_index=mb,
-                           num_micro_batches=m, batch_dim=batch_dim):
+                           num_micro_batches=m, batch_axis=batch_axis,
+                           **(global_fields if m > 1 else {})):
     return np.asarray(dropout.apply_dropout(x, rate, key, noise_shape_fn))
 
 
@@ -43,8 +47,19 @@ def test_mask_of_an_example_does_not_depend_on_micro_batching(m):
   x = np.random.rand(8, 3, 5).astype(np.float32)
   whole = _drop(x)
   np.testing.assert_array_equal(_micro_batched(x, m), whole)
-  # Also when the context states the micro-batch size explicitly.
-  np.testing.assert_array_equal(_micro_batched(x, m, batch_dim=8 // m), whole)
+
+
+@pytest.mark.parametrize('m', [1, 2, 4])
+def test_time_major_batch_gets_the_batch_major_mask(m):
+  # Regression: a time-major pipeline (batch_dim=1) put its batch *axis* in
+  # the context field dropout read as the micro-batch *size*.
+  x = np.random.rand(8, 3, 5).astype(np.float32)  # [B, T, D]
+  whole = _drop(x)
+  time_major = np.transpose(x, [1, 0, 2])  # [T, B, D]
+  parts = np.split(time_major, m, axis=1)
+  got = np.concatenate([_drop(p, mb=i, m=m, batch_axis=1)
+                        for i, p in enumerate(parts)], axis=1)
+  np.testing.assert_array_equal(np.transpose(got, [1, 0, 2]), whole)
 
 
 def test_micro_batching_invariance_with_shared_noise_dims():
@@ -78,12 +93,13 @@ def test_traced_once_masks_follow_tensor_step_and_micro_batch():
   x = tf.ones([2, 32])
   with fprop_context.scope(training=True, num_micro_batches=2,
                            step=tf.Variable(0, dtype=tf.int64),
-                           micro_batch_index=tf.Variable(0)) as ctx:
+                           global_batch_size=4,
+                           first_example=tf.Variable(0)) as ctx:
     fn = tf.function(lambda x: dropout.apply_dropout(x, 0.5, 'k'))
     results = {}
     for step, mb in [(1, 0), (1, 1), (2, 0)]:
       ctx.step.assign(step)
-      ctx.micro_batch_index.assign(mb)
+      ctx.first_example.assign(2 * mb)
       results[step, mb] = fn(x).numpy()
   for (step, mb), got in results.items():
     np.testing.assert_array_equal(got, _drop(x, key='k', step=step, mb=mb,
@@ -93,8 +109,8 @@ def test_traced_once_masks_follow_tensor_step_and_micro_batch():
 def test_bad_rate_and_wrong_batch_dim_raise():
   with pytest.raises(base_layer.LayerError, match=r'model.drop: .*\[0, 1\)'):
     _drop(np.ones([2, 2], np.float32), rate=1.0)
-  with pytest.raises(base_layer.LayerError, match='batch_dim=4'):
-    _drop(np.ones([2, 2], np.float32), batch_dim=4)
+  with pytest.raises(base_layer.LayerError, match='batch is on axis 4'):
+    _drop(np.ones([2, 2], np.float32), batch_axis=4)
 
 
 def test_dropout_layer_uses_its_path_as_key():
@@ -121,6 +137,7 @@ def test_unknown_batch_size_under_tf_function():
                    input_signature=[tf.TensorSpec([None, 16])])
   x = np.ones([4, 16], np.float32)
   with fprop_context.scope(training=True, step=7, micro_batch_index=1,
-                           num_micro_batches=2):
+                           num_micro_batches=2, first_example=4,
+                           global_batch_size=8):
     got = fn(x).numpy()
   np.testing.assert_array_equal(got, _drop(x, mb=1, m=2))

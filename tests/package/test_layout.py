@@ -70,7 +70,10 @@ def test_extras_and_core_dependencies():
   assert set(project['urls']) >= {'Homepage', 'Source'}
   assert set(project['scripts']) == {'lingvo_pipe_trainer',
                                      'lingvo_pipe_evaler',
+                                     'lingvo_pipe_launch',
                                      'lingvo_pipe_prepare_data'}
+  assert all(target.startswith('lingvo_pipe._entry:')
+             for target in project['scripts'].values())
   licence = (_ROOT / 'LICENSE').read_text()
   assert 'Apache License' in licence and 'Version 2.0' in licence
 

@@ -222,6 +222,27 @@ def test_report_text():
   assert 'bubble' not in rep.to_text()
 
 
+def test_report_second_costs_column():
+  """Profiled seconds beside FPropMeta flops: same cut, second imbalance."""
+  rep = partitioner.make_report([1e9, 2e9, 3e9, 4e9, 5e9], [0, 3, 5],
+                                list('abcde'),
+                                second_costs=[1e-3, 1e-3, 1e-3, 1e-3, 8e-3])
+  assert [s.cost for s in rep.second.stages] == pytest.approx([3e-3, 9e-3])
+  assert rep.second.boundaries == rep.boundaries
+  assert rep.second.imbalance == pytest.approx(1.5)
+  lines = rep.to_text().splitlines()
+  assert lines[0].split() == ['stage', 'layers', 'names', '#layers', 'cost',
+                              'share', 'time', 'time', 'share']
+  assert lines[1].split()[-3:] == ['3', 'ms', '25.0%']
+  assert lines[2].split()[-3:] == ['9', 'ms', '75.0%']
+  assert 'imbalance by time (max/mean): 1.500' in rep.to_text()
+  assert partitioner.make_report([1, 2], [0, 1, 2]).second is None
+  with pytest.raises(PartitionError, match='second_costs has 1 entries'):
+    partitioner.make_report([1, 2], [0, 1, 2], second_costs=[1])
+  with pytest.raises(PartitionError, match='costs\\[0\\] = -1.0'):
+    partitioner.make_report([1, 2], [0, 1, 2], second_costs=[-1, 1])
+
+
 def test_report_all_zero_and_errors():
   rep = partitioner.make_report([0, 0, 0, 0], [0, 2, 4])
   assert rep.imbalance == 1.0 and [s.share for s in rep.stages] == [0.5, 0.5]

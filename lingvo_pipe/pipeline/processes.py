@@ -1,0 +1,305 @@
+"""Start-up of one stage process: cluster, TF server, peers, watchdog.
+
+Every process of a multi-process run (one per stage and replica, on one host
+or many) calls `start` first thing, before any TensorFlow op:
+
+    config = processes.cluster_from(cluster_spec='worker=h1:2222,h2:2222',
+                                    task=1)        # or from TF_CONFIG
+    with processes.start(config) as peers:         # every task, same spec
+      train(peers)                                 # collective.Peers
+
+`start` reads the cluster (the `--cluster_spec`/`--job`/`--task` flags,
+Lingvo's convention, else TensorFlow's `TF_CONFIG`), pins the process to its
+cores with matching thread pools, starts this task's TF server with
+collective ops enabled (what MultiWorkerMirroredStrategy does), waits until
+every peer answers, meets them in a barrier, and starts a `Watchdog`. A
+task that never comes up, a port already taken, and a peer that dies later
+each end in one line naming the task and its address, not in a hang.
+
+Why this way (measured on TF 2.21, 127.0.0.1):
+- Multi-controller: each process runs its own `tf.function`s. The eager
+  remote runtime, where one client drives every worker, ran the worker
+  parts of one function one after another.
+- Peer liveness: TF's `check_collective_ops_peer_health` (a GetStatus RPC,
+  what MultiWorkerMirroredStrategy's health thread uses) noticed a SIGKILLed
+  peer within about a second. TF's coordination service was tried instead:
+  it aborts collectives after its heartbeat timeout but leaves the process
+  running, hung in start-up when a peer died before registering, and its
+  errors span dozens of lines.
+- The collective group leader (which resolves group membership) is task 0.
+
+With no cluster (`config` None), `start` gives `collective.Peers.local()`
+and does nothing else, so a binary has one code path for 1 and K processes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+from typing import Any, Mapping, Sequence
+
+from absl import flags
+import tensorflow as tf
+from tensorflow.core.protobuf import tensorflow_server_pb2
+from tensorflow.python.eager import context
+
+from lingvo_pipe.pipeline import collective
+from lingvo_pipe.pipeline import watchdog as watchdog_lib
+from lingvo_pipe.pipeline.cluster import ClusterError
+
+DEFAULT_JOB = 'worker'
+
+
+@dataclasses.dataclass(frozen=True)
+class ClusterConfig:
+  """Which tasks form the run, and which one this process is."""
+  addresses: tuple[str, ...]
+  task: int
+  job: str = DEFAULT_JOB
+
+
+def task_of(stage: int, replica: int, num_stages: int) -> int:
+  """The task of `stage` in `replica`: a replica's stages are adjacent
+  tasks (the launcher pins task i to core i mod #cores)."""
+  return replica * num_stages + stage
+
+
+def stage_tasks(stage: int, num_stages: int, num_replicas: int) -> list[int]:
+  """The R tasks that hold `stage`: its gradients' all-reduce group."""
+  return [task_of(stage, r, num_stages) for r in range(num_replicas)]
+
+
+def cluster_from(cluster_spec: str = '', job: str = DEFAULT_JOB,
+                 task: int | None = None,
+                 environ: Mapping[str, str] | None = None
+                 ) -> ClusterConfig | None:
+  """The cluster from flags (first) or `TF_CONFIG`; None for one process.
+
+  Args:
+    cluster_spec: Lingvo's format, 'worker=h1:p,h2:p' (jobs joined by '@').
+    job: the job of this process within `cluster_spec`.
+    task: this process's index in the job.
+    environ: where to look for TF_CONFIG (default os.environ).
+
+  Raises:
+    ClusterError: a malformed spec or TF_CONFIG, or a task out of range.
+  """
+  environ = os.environ if environ is None else environ
+  if cluster_spec:
+    jobs = _parse_spec(cluster_spec)
+    where = f'--cluster_spec={cluster_spec}'
+    if task is None:
+      raise ClusterError(f'{where} needs --task: this process\'s index in '
+                         f'job {job!r}.')
+  elif environ.get('TF_CONFIG'):
+    jobs, job, task = _parse_tf_config(environ['TF_CONFIG'])
+    where = 'TF_CONFIG'
+  else:
+    return None
+  if set(jobs) != {job}:
+    raise ClusterError(
+        f'{where} has jobs {sorted(jobs)}; lingvo_pipe runs one job of '
+        f'identical processes: list every task under {job!r}.')
+  addresses = jobs[job]
+  if not 0 <= task < len(addresses):
+    raise ClusterError(f'{where}: task {task} is out of range; job {job!r} '
+                       f'has tasks 0..{len(addresses) - 1}.')
+  return ClusterConfig(addresses=tuple(addresses), task=task, job=job)
+
+
+def start(config: ClusterConfig | None, *, cores: Sequence[int] | None = None,
+          collective_timeout_s: float = 300.0, peer_timeout_s: float = 120.0,
+          watchdog: bool = True) -> 'Runtime':
+  """Starts this task of the run; call it before any TensorFlow op.
+
+  Args:
+    config: from `cluster_from`; None for a single process.
+    cores: pin this process to these CPUs (else keep the inherited mask,
+      e.g. the launcher's one core). Thread pools follow the mask.
+    collective_timeout_s: `Peers.timeout_s` of every collective.
+    peer_timeout_s: how long to wait for every peer to come up.
+    watchdog: watch the peers and exit when one dies.
+
+  Raises:
+    ClusterError: TF already started, a port in use, or peers missing.
+  """
+  if cores:
+    os.sched_setaffinity(0, set(cores))
+  _configure_threads()
+  if config is None:
+    return Runtime(collective.Peers.local(), None)
+  peers = collective.Peers(task=config.task, addresses=config.addresses,
+                           job=config.job, timeout_s=collective_timeout_s,
+                           device_type=_device_type())
+  _start_server(config)
+  watch = watchdog_lib.Watchdog(peers)
+  missing = watch.wait_until_up(peer_timeout_s)
+  if missing:
+    names = ', '.join(peers.describe(t) for t in missing)
+    raise ClusterError(
+        f'task {config.task}: {names} did not come up within '
+        f'{peer_timeout_s:g} s; start every task with the same cluster '
+        '(--cluster_spec or TF_CONFIG) and its own --task, and check that '
+        'the addresses are reachable from here.')
+  _meet(peers, peer_timeout_s)
+  if watchdog:
+    watch.start()
+  return Runtime(peers, watch)
+
+
+def define_flags() -> None:
+  """Defines the cluster flags of a worker binary (absl); call it once, at
+  the binary's top level: --cluster_spec, --job, --task,
+  --collective_timeout_secs, --peer_timeout_secs."""
+  flags.DEFINE_string('cluster_spec', '', 'The run\'s tasks, Lingvo style: '
+                      '"worker=host:port,host:port"; empty: TF_CONFIG, or '
+                      'one process.')
+  flags.DEFINE_string('job', DEFAULT_JOB, 'This process\'s job in '
+                      '--cluster_spec.')
+  flags.DEFINE_integer('task', None, 'This process\'s index in its job.')
+  flags.DEFINE_float('collective_timeout_secs', 300.0, 'A send, recv or '
+                     'all-reduce fails after this long without its peers; '
+                     'generous, as a peer may still be tracing.')
+  flags.DEFINE_float('peer_timeout_secs', 120.0, 'How long start-up waits '
+                     'for every task to come up.')
+
+
+def start_from_flags(**kwargs: Any) -> 'Runtime':
+  """`start` with the flags of `define_flags` (after absl parsed them)."""
+  f = flags.FLAGS
+  config = cluster_from(f.cluster_spec, f.job, f.task)
+  return start(config, collective_timeout_s=f.collective_timeout_secs,
+               peer_timeout_s=f.peer_timeout_secs, **kwargs)
+
+
+class Runtime:
+  """A started task: its `peers`, and a guard for the code that uses them."""
+
+  def __init__(self, peers: collective.Peers,
+               watch: 'watchdog_lib.Watchdog | None') -> None:
+    self.peers = peers
+    self.watchdog = watch
+
+  def __enter__(self) -> collective.Peers:
+    return self.peers
+
+  def __exit__(self, exc_type: Any, exc: BaseException | None,
+               tb: Any) -> bool:
+    """On an error: a dead peer ends the process with one line naming it; a
+    failed collective becomes a CollectiveError naming key and peer. Without
+    one: every task meets in a last barrier, so none exits under a peer's
+    watchdog."""
+    if self.watchdog is None:
+      return False
+    if exc is None:
+      self.shutdown()
+      return False
+    if isinstance(exc, Exception):
+      self.watchdog.exit_if_peer_dead(cause=exc)
+      line = self.peers.explain(exc)
+      if line:
+        raise collective.CollectiveError(line) from None
+    return False
+
+  def shutdown(self) -> None:
+    """Stops the watchdog, then waits at a barrier for every other task."""
+    if self.watchdog is None:
+      return
+    self.watchdog.stop()
+    try:
+      self.peers.barrier(key=('shutdown',))
+    except Exception as e:  # pylint: disable=broad-except
+      self.watchdog.exit_if_peer_dead(cause=e)
+      raise
+
+
+# ---- Helpers -----------------------------------------------------------------
+_SPEC_JOB = re.compile(r'^(\w+)=(.+)$')
+_ADDRESS = re.compile(r'(\[[0-9a-fA-F:.]+\]|[^\s:\[\]]+):\d+')  # IPv6 in [].
+
+
+def _parse_spec(spec: str) -> dict[str, list[str]]:
+  jobs = {}
+  for part in spec.split('@'):
+    m = _SPEC_JOB.match(part.strip())
+    addresses = [a.strip() for a in m[2].split(',')] if m else []
+    if not m or not all(_ADDRESS.fullmatch(a) for a in addresses):
+      raise ClusterError(
+          f'--cluster_spec={spec}: cannot read {part!r}; write '
+          '"worker=host:port,host:port" (jobs joined by "@").')
+    jobs[m[1]] = addresses
+  return jobs
+
+
+def _parse_tf_config(text: str) -> tuple[dict[str, list[str]], str, int]:
+  try:
+    config = json.loads(text)
+    jobs = {str(k): [str(a) for a in v] for k, v in config['cluster'].items()}
+    return jobs, str(config['task']['type']), int(config['task']['index'])
+  except (ValueError, KeyError, TypeError, AttributeError) as e:
+    raise ClusterError(
+        f'TF_CONFIG={text!r} cannot be read ({type(e).__name__}: {e}); '
+        'write {"cluster": {"worker": ["host:port", ...]}, "task": '
+        '{"type": "worker", "index": i}}.') from None
+
+
+def _configure_threads() -> None:
+  """Intra-op threads = the cores this process may use; a few more inter-op
+  threads so collectives and compute of one stage interleave."""
+  ncores = len(os.sched_getaffinity(0))
+  if ncores >= (os.cpu_count() or 1):
+    return  # Not pinned: TensorFlow's defaults.
+  try:
+    tf.config.threading.set_intra_op_parallelism_threads(ncores)
+    tf.config.threading.set_inter_op_parallelism_threads(ncores + 1)
+  except RuntimeError as e:
+    raise ClusterError(_TOO_LATE.format(e)) from None
+
+
+_TOO_LATE = ('processes.start() came after TensorFlow\'s runtime started '
+             '({}); call it first thing, before any TF op, variable or device '
+             'query.')
+
+
+def _device_type() -> str:
+  return 'GPU' if tf.config.list_physical_devices('GPU') else 'CPU'
+
+
+def _start_server(config: ClusterConfig) -> None:
+  """This task's TF server, with collectives led by task 0."""
+  ctx = context.context()
+  if ctx._context_handle is not None:  # pylint: disable=protected-access
+    raise ClusterError(_TOO_LATE.format('its context exists'))
+  ctx.configure_collective_ops(
+      collective_leader=f'/job:{config.job}/replica:0/task:0',
+      device_filters=(f'/job:{config.job}/task:{config.task}',))
+  address = config.addresses[config.task]
+  server_def = tensorflow_server_pb2.ServerDef(
+      cluster=tf.train.ClusterSpec({config.job: list(config.addresses)}
+                                   ).as_cluster_def(),
+      job_name=config.job, task_index=config.task, protocol='grpc',
+      port=int(address.rsplit(':', 1)[1]), default_session_config=ctx.config)
+  ctx.enable_collective_ops(server_def)
+  try:
+    ctx.ensure_initialized()
+  except tf.errors.OpError as e:
+    if 'Could not start gRPC server' in str(e):
+      raise ClusterError(
+          f'task {config.task}: cannot listen on {address}: the port is in '
+          'use (another run on the same ports?); stop that run or give '
+          'this one other ports.') from None
+    raise
+
+
+def _meet(peers: collective.Peers, timeout_s: float) -> None:
+  """A first barrier: every task is up and the collective path works."""
+  slow = dataclasses.replace(peers, timeout_s=timeout_s)
+  try:
+    slow.barrier(key=('startup',))
+  except Exception as e:  # pylint: disable=broad-except
+    raise ClusterError(
+        f'task {peers.task}: the start-up barrier of {peers.num_tasks} tasks '
+        f'failed within {timeout_s:g} s ({type(e).__name__}); every task '
+        'must run the same cluster spec.') from None

@@ -1,0 +1,111 @@
+"""Runs stand-in stage processes (runtime_worker.py) for the runtime tests.
+
+Every process started here is killed by PID when the call returns, whatever
+happened; `Tasks` does the same for a test that drives processes itself.
+"""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                      'runtime_worker.py')
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(WORKER)))
+TIMEOUT_S = 240  # Generous: 2 shared cores, TF imports in every process.
+
+
+def env() -> dict:
+  return dict(os.environ, TF_CPP_MIN_LOG_LEVEL='2', PYTHONUNBUFFERED='1',
+              CUDA_VISIBLE_DEVICES='')
+
+
+def free_ports(count: int) -> list:
+  socks = [socket.socket() for _ in range(count)]
+  for s in socks:
+    s.bind(('127.0.0.1', 0))
+  ports = [s.getsockname()[1] for s in socks]
+  for s in socks:
+    s.close()
+  return ports
+
+
+def spec(ports) -> str:
+  return 'worker=' + ','.join(f'127.0.0.1:{p}' for p in ports)
+
+
+class Tasks:
+  """Processes of one test; `kill_all()` (also on exit) stops them by PID."""
+
+  def __init__(self, tmp_path) -> None:
+    self.procs = []
+    self.logs = []
+    self._tmp = tmp_path
+
+  def start(self, args, name: str) -> subprocess.Popen:
+    out = open(self._tmp / f'{name}.out', 'w+')
+    err = open(self._tmp / f'{name}.err', 'w+')
+    self.logs.append((out, err))
+    proc = subprocess.Popen([sys.executable] + list(args), stdout=out,
+                            stderr=err, env=env(), cwd=ROOT)
+    self.procs.append(proc)
+    return proc
+
+  def wait_for(self, index: int, text: str, timeout_s: float = TIMEOUT_S):
+    """Waits until `text` is in process `index`'s stdout or stderr."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+      if any(text in o for o in self.output(index)):
+        return
+      if self.procs[index].poll() is not None:
+        break
+      time.sleep(0.1)
+    raise AssertionError(f'{text!r} never appeared: {self.output(index)}')
+
+  def output(self, index: int) -> tuple:
+    out, err = self.logs[index]
+    out.seek(0)
+    err.seek(0)
+    return out.read(), err.read()
+
+  def kill_all(self) -> None:
+    for proc in self.procs:
+      if proc.poll() is None:
+        proc.send_signal(signal.SIGKILL)
+    for proc in self.procs:
+      proc.wait(timeout=30)
+    for out, err in self.logs:
+      out.close()
+      err.close()
+
+  def __enter__(self) -> 'Tasks':
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.kill_all()
+
+
+def spawn_tasks(num_tasks: int, flags, tmp_path):
+  """Runs tasks 0..num_tasks−1 to the end; returns CompletedProcess-likes."""
+  cluster = spec(free_ports(num_tasks))
+  with Tasks(tmp_path) as tasks:
+    for t in range(num_tasks):
+      tasks.start([WORKER, f'--cluster_spec={cluster}', f'--task={t}'] +
+                  list(flags), f'task{t}')
+    runs = []
+    for t, proc in enumerate(tasks.procs):
+      proc.wait(timeout=TIMEOUT_S)
+      out, err = tasks.output(t)
+      runs.append(subprocess.CompletedProcess(proc.args, proc.returncode,
+                                              out, err))
+    return runs
+
+
+def alive(pid: int) -> bool:
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  return True

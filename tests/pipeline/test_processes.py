@@ -1,0 +1,106 @@
+"""Tests of lingvo_pipe.pipeline.processes (and its watchdog).
+
+The cluster comes from flags or TF_CONFIG (in this process). The faults use
+real processes on 127.0.0.1 (tests/pipeline/runtime_worker.py): a peer
+killed with SIGKILL ends the others with one line naming it, a peer that
+never comes up is named after a timeout, and a second run on the same ports
+gets a clear error. No timed assertions: waits are generous limits.
+"""
+
+import json
+import re
+import signal
+import socket
+import time
+
+import pytest
+
+from lingvo_pipe.pipeline import processes
+from lingvo_pipe.pipeline import watchdog
+from lingvo_pipe.pipeline.cluster import ClusterError
+from runtime_procs import Tasks, WORKER, free_ports, spec  # pylint: disable=g-bad-import-order
+
+
+def test_the_cluster_comes_from_flags_first_then_tf_config():
+  tf_config = json.dumps({'cluster': {'worker': ['a:1', 'b:2', 'c:3']},
+                          'task': {'type': 'worker', 'index': 2}})
+  env = {'TF_CONFIG': tf_config}
+  assert processes.cluster_from(environ=env) == processes.ClusterConfig(
+      addresses=('a:1', 'b:2', 'c:3'), task=2, job='worker')
+  flagged = processes.cluster_from('worker=h1:5,h2:6', task=0, environ=env)
+  assert flagged.addresses == ('h1:5', 'h2:6') and flagged.task == 0
+  assert processes.cluster_from(environ={}) is None  # One process.
+
+
+@pytest.mark.parametrize('kwargs, match', [
+    (dict(cluster_spec='worker=h1:5,h2'), r'cannot read .*worker=host:port'),
+    (dict(cluster_spec='worker=h1:5'), r'needs --task'),
+    (dict(cluster_spec='worker=h1:5', task=1), r'task 1 is out of range'),
+    (dict(cluster_spec='ps=h0:1@worker=h1:5', task=0),
+     r"jobs \['ps', 'worker'\].*one job"),
+    (dict(environ={'TF_CONFIG': '{"cluster": {}}'}), r'TF_CONFIG=.* cannot be'),
+])
+def test_a_bad_cluster_is_one_named_error(kwargs, match):
+  kwargs.setdefault('environ', {})
+  with pytest.raises(ClusterError, match=match):
+    processes.cluster_from(**kwargs)
+
+
+def test_stages_of_a_replica_are_adjacent_tasks():
+  assert [processes.task_of(s, 1, num_stages=3) for s in range(3)] == [3, 4, 5]
+  assert processes.stage_tasks(1, num_stages=3, num_replicas=2) == [1, 4]
+
+
+def _lines(text):
+  return [l for l in text.splitlines() if l.startswith('lingvo_pipe: error:')]
+
+
+def test_a_sigkilled_peer_ends_the_others_naming_it(tmp_path):
+  ports = free_ports(3)
+  with Tasks(tmp_path) as tasks:
+    for t in range(3):
+      tasks.start([WORKER, '--scenario=steps', f'--cluster_spec={spec(ports)}',
+                   f'--task={t}'], f'task{t}')
+    for t in range(3):
+      tasks.wait_for(t, f'READY {t}')
+    tasks.procs[1].send_signal(signal.SIGKILL)
+    for t in (0, 2):
+      # Generous (the watchdog needs seconds); not a timing assertion.
+      assert tasks.procs[t].wait(timeout=120) == watchdog.EXIT_PEER_GONE
+      errors = _lines(tasks.output(t)[1])
+      assert len(errors) == 1, tasks.output(t)[1][-3000:]
+      assert f'peer task 1 at 127.0.0.1:{ports[1]} is gone' in errors[0]
+    assert tasks.procs[1].wait(timeout=30) == -signal.SIGKILL
+    assert all(p.poll() is not None for p in tasks.procs)  # None left.
+
+
+def test_a_peer_that_never_comes_up_is_named_and_ports_in_use_are_refused(
+    tmp_path):
+  held, lonely = free_ports(2), free_ports(2)
+  with Tasks(tmp_path) as tasks:
+    holder = tasks.start([WORKER, '--scenario=hold', '--task=0',
+                          f'--cluster_spec={spec(held)}'], 'holder')
+    _wait_until_listening(held[0], holder)
+    # A second run on the holder's ports, and a run whose task 1 never starts.
+    tasks.start([WORKER, '--scenario=hold', '--task=0',
+                 f'--cluster_spec={spec(held)}'], 'second')
+    tasks.start([WORKER, '--scenario=hold', '--task=0', '--peer_timeout_secs=5',
+                 f'--cluster_spec={spec(lonely)}'], 'lonely')
+    assert tasks.procs[1].wait(timeout=120) == 1
+    assert re.search(rf'ClusterError: task 0: cannot listen on 127.0.0.1:'
+                     rf'{held[0]}: the port is in use', tasks.output(1)[1])
+    assert tasks.procs[2].wait(timeout=120) == 1
+    assert re.search(rf'ClusterError: task 0: task 1 at 127.0.0.1:{lonely[1]} '
+                     r'did not come up within 5 s', tasks.output(2)[1])
+    assert holder.poll() is None  # Still waiting for its own task 1.
+
+
+def _wait_until_listening(port, proc, timeout_s=120):
+  deadline = time.monotonic() + timeout_s
+  while time.monotonic() < deadline and proc.poll() is None:
+    try:
+      socket.create_connection(('127.0.0.1', port), timeout=1).close()
+      return
+    except OSError:
+      time.sleep(0.1)
+  raise AssertionError(f'nothing listens on {port}')

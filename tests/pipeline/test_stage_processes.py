@@ -1,0 +1,97 @@
+"""Stage processes train exactly like one process: K stages × R replicas.
+
+Each case starts K·R real processes on 127.0.0.1 (tests/pipeline/
+stage_proc.py), one per stage and replica, that pass stage boundaries over
+TF's collective runtime and all-reduce each stage's gradients over its
+replicas. Every process's gradients (by variable name), BatchNorm statistics
+and the step's metrics must equal one process running the same schedule on
+the whole batch (R replicas of M micro-batches = one of R·M), to 1e-5 or
+float32 rounding (`transparency.Discrepancy.ok`; the float64 leg is the
+single process's own).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from lingvo_pipe.core import fprop_context
+from lingvo_pipe.pipeline import transparency
+
+import pipeline_stacks as stacks  # pylint: disable=g-bad-import-order
+import runtime_procs  # pylint: disable=g-bad-import-order
+
+_PROC = os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                     'stage_proc.py')
+
+
+def _reference(model, num_stages, num_micro_batches, schedule, recompute):
+  net, inputs = stacks.net(model, num_stages=num_stages,
+                           num_micro_batches=num_micro_batches,
+                           schedule=schedule, recompute=recompute)
+  labels = stacks.loss_labels(model)
+
+  @tf.function(autograph=False)
+  def step():
+    collector = fprop_context.StatsCollector()
+    with tf.GradientTape() as tape:
+      with fprop_context.scope(training=True, step=7, stats=collector):
+        metrics = net.FPropLoss(net.theta, inputs, labels,
+                                stacks.weighted_loss)
+    grads = tape.gradient(metrics['loss'][0], net.trainable_variables)
+    return metrics, grads, collector.stats
+
+  metrics, grads, stats = step()
+  return ({k: [float(v[0]), float(v[1])] for k, v in metrics.items()},
+          {v.name: np.asarray(g) for v, g in
+           zip(net.trainable_variables, grads)},
+          {k: {n: np.asarray(x) for n, x in s.items()}
+           for k, s in stats.items()})
+
+
+def _run(tmp_path, model, k, r, m, schedule, recompute):
+  flags = [f'--model={model}', f'--num_stages={k}', f'--num_micro_batches={m}',
+           f'--schedule={schedule}', f'--recompute={recompute}']
+  cluster = runtime_procs.spec(runtime_procs.free_ports(k * r))
+  outs = [tmp_path / f'task{t}.json' for t in range(k * r)]
+  with runtime_procs.Tasks(tmp_path) as tasks:
+    for t in range(k * r):
+      tasks.start([_PROC, f'--cluster_spec={cluster}', f'--task={t}',
+                   f'--out={outs[t]}'] + flags, f'task{t}')
+    for t, proc in enumerate(tasks.procs):
+      assert proc.wait(timeout=runtime_procs.TIMEOUT_S) == 0, (
+          t, tasks.output(t)[1][-3000:])
+  return [json.loads(p.read_text()) for p in outs]
+
+
+@pytest.mark.parametrize('model,k,r,m,schedule,recompute', [
+    ('nested', 2, 1, 4, '1f1b', 'always'),
+    ('transformer', 2, 1, 4, 'gpipe', 'except_last'),
+    ('conv_bn', 2, 2, 2, '1f1b', 'always'),  # R=2 × K=2 = R=1 × K=2, M=4.
+    ('nested', 2, 1, 4, 'interleaved', 'never'),
+    ('nested', 4, 1, 4, '1f1b', 'except_last'),
+])
+def test_stage_processes_equal_one_process(tmp_path, model, k, r, m,
+                                           schedule, recompute):
+  runs = _run(tmp_path, model, k, r, m, schedule, recompute)
+  want_metrics, want_grads, want_stats = _reference(
+      model, k, r * m, schedule, recompute)
+  seen = set()
+  for run in runs:
+    for name, value in run['metrics'].items():  # Everyone has the metrics.
+      np.testing.assert_allclose(value, want_metrics[name], rtol=1e-5)
+    names = sorted(run['grads'])
+    seen |= set(names)
+    got = [np.asarray(run['grads'][n]) for n in names]
+    want = [want_grads[n] for n in names]
+    d = transparency.discrepancy(got, want, want)
+    assert d.direct < 1e-5, (names, d)
+    for path, stats in run['stats'].items():
+      for field, value in stats.items():
+        np.testing.assert_allclose(value, want_stats[path][field], rtol=1e-5)
+  assert seen == set(want_grads)  # Every variable lives in some process.
