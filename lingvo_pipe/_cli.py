@@ -8,9 +8,9 @@ the named exceptions under `lingvo_pipe.errors.LingvoPipeError`, turned into
 that one line by `exit_on_user_error`. Anything else is a bug and keeps its
 traceback.
 
-TensorFlow prints start-up banners on stderr before its logging is
-configured (oneDNN notices, CPU feature lines); `import_tensorflow_quietly`
-swallows exactly those so the one line is not buried.
+TensorFlow's start-up banner is kept off the console by the entry points
+(`_startup.import_tensorflow`, before this module imports TensorFlow); this
+module has no side effect at import.
 """
 
 from __future__ import annotations
@@ -18,50 +18,20 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import re
 import sys
 import tempfile
+import types
 from typing import Callable, Iterator
 
+from absl import app
 from absl import flags
-
-_BANNER = re.compile(
-    r'^([IW]\d{4} |WARNING: All log messages before absl::InitializeLog|'
-    r'To enable the following instructions|E\d{4} .*(Unable to register|'
-    r'already been registered))')
-
-
-def import_tensorflow_quietly() -> None:
-  """Imports TensorFlow with its start-up banner removed from stderr."""
-  if 'tensorflow' in sys.modules:
-    return
-  os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
-  sys.stderr.flush()
-  saved = os.dup(2)
-  with tempfile.TemporaryFile() as captured:
-    os.dup2(captured.fileno(), 2)
-    try:
-      import tensorflow  # pylint: disable=g-import-not-at-top,unused-import
-    finally:
-      os.dup2(saved, 2)
-      os.close(saved)
-      captured.seek(0)
-      text = captured.read().decode('utf-8', 'replace')
-      kept = [line for line in text.splitlines() if not _BANNER.match(line)]
-      if kept:
-        sys.stderr.write('\n'.join(kept) + '\n')
-
-
-import_tensorflow_quietly()
-
-# pylint: disable=g-import-not-at-top,wrong-import-position
 import tensorflow as tf
 
+from lingvo_pipe import _startup
 from lingvo_pipe import errors
 from lingvo_pipe.core import learning_rate
 from lingvo_pipe.core import optimizer
 from lingvo_pipe.core.hyperparams import Params, ParamsError
-# pylint: enable=g-import-not-at-top,wrong-import-position
 
 PARAMS_FILE = 'params.txt'
 
@@ -70,25 +40,47 @@ class UserError(errors.LingvoPipeError):
   """A bad flag or logdir; the message names the problem and the fix."""
 
 
+class RunStopped(Exception):
+  """Library code stops the run: the entry point exits with `exit_code`
+  (after printing the message, if any) instead of library code calling
+  sys.exit."""
+
+  def __init__(self, message: str = '', exit_code: int = 1) -> None:
+    super().__init__(message)
+    self.exit_code = exit_code
+
+
 def flags_parser(program: str) -> Callable[[list[str]], list[str]]:
   """An absl `app.run` flags parser: a malformed flag value or an unknown
-  flag is one stderr line and exit status 2, like every other bad input."""
+  flag is one stderr line and exit status 2, like every other bad input.
+  Once parsed, --verbosity sets how much TensorFlow logs."""
 
   def _parse(argv: list[str]) -> list[str]:
     try:
-      return flags.FLAGS(argv)
+      rest = flags.FLAGS(argv)
     except flags.Error as e:
       line = ' '.join(str(e).split())
       sys.stderr.write(f'{program}: error: {line}; see --helpfull for every '
                        'flag and its values.\n')
       sys.exit(2)
+    _startup.configure_python_logging(flags.FLAGS.verbosity)
+    return rest
 
   return _parse
 
 
+def run_binary(main: Callable[[list[str]], None], program: str,
+               module: types.ModuleType) -> None:
+  """`app.run(main)` for the binary `module`, also as a console script
+  (whose --help then lists `module`'s flags: `_startup.show_in_help`)."""
+  _startup.show_in_help(module)
+  app.run(main, flags_parser=flags_parser(program))
+
+
 @contextlib.contextmanager
 def exit_on_user_error(program: str) -> Iterator[None]:
-  """Turns a user error into one stderr line and exit status 2."""
+  """Turns a user error into one stderr line and exit status 2, and
+  `RunStopped` into its exit status."""
   try:
     yield
   except errors.LingvoPipeError as e:
@@ -97,6 +89,10 @@ def exit_on_user_error(program: str) -> Iterator[None]:
     sys.stderr.write(f'{program}: error: {line}\n')
     sys.stderr.flush()
     sys.exit(2)
+  except RunStopped as e:
+    if str(e):
+      sys.stderr.write(f'{program}: {" ".join(str(e).split())}\n')
+    sys.exit(e.exit_code)
 
 
 # ---- Params -----------------------------------------------------------------

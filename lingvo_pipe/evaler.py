@@ -29,18 +29,21 @@ A damaged state file or checkpoint is one line and exit 2 in every mode.
 
 from __future__ import annotations
 
-# pylint: disable=g-bad-import-order
+# pylint: disable=g-bad-import-order,g-import-not-at-top
+import sys
+
 from lingvo_pipe import _signals
 
-if __name__ == '__main__':  # Before TensorFlow's import, the slowest part.
+if __name__ == '__main__':  # Before anything imports TensorFlow.
   _signals.exit_on_signals('evaler', _signals.EVALER)
+  from lingvo_pipe import _startup
+  _startup.import_tensorflow(sys.argv)
 
-from lingvo_pipe import _cli  # Imports TensorFlow without its banner.
+from lingvo_pipe import _cli
 
 import ast
 import json
 import os
-import sys
 import time
 
 from absl import app
@@ -57,8 +60,9 @@ from lingvo_pipe.core import summaries
 from lingvo_pipe.core.hyperparams import Params
 from lingvo_pipe.core.nested_map import NestedMap
 
-_MODEL = flags.DEFINE_string('model', '', 'Registered model name; default: '
-                             'the one in logdir/params.txt.')
+_MODEL = flags.DEFINE_string('model', '', 'The model (a registered name or '
+                             'module.Class of your own module); default: the '
+                             'one in logdir/params.txt.')
 _LOGDIR = flags.DEFINE_string('logdir', '', 'The trainer\'s logdir.')
 _DATASET = flags.DEFINE_enum('eval_dataset', 'Dev', ['Dev', 'Test'],
                              'Which split to score.')
@@ -220,9 +224,9 @@ def _sleep_or_time_out(poll_secs: float, deadline: float | None,
                        waiting_for: str) -> None:
   """Sleeps one poll interval; exits 1 if --timeout_secs has passed."""
   if deadline is not None and time.monotonic() > deadline:
-    logging.error('Timed out after --timeout_secs=%g waiting for %s.',
-                  _TIMEOUT_SECS.value, waiting_for)
-    sys.exit(1)
+    raise _cli.RunStopped(f'timed out after --timeout_secs='
+                          f'{_TIMEOUT_SECS.value:g} waiting for {waiting_for}.',
+                          exit_code=1)
   time.sleep(poll_secs)
 
 
@@ -289,8 +293,7 @@ def _main(argv: list[str]) -> None:
 
 def run() -> None:
   """Console-script entry point (`lingvo_pipe_evaler`)."""
-  _signals.exit_on_signals('evaler', _signals.EVALER)
-  app.run(_main, flags_parser=_cli.flags_parser('evaler'))
+  _cli.run_binary(_main, 'evaler', sys.modules[__name__])
 
 
 if __name__ == '__main__':

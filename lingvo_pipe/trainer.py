@@ -25,21 +25,26 @@ latest checkpoint: a bad config, or a damaged `checkpoint` file or
 checkpoint, is one line, exit 2, and an untouched logdir.
 
 What lands in the logdir: params.txt; checkpoint, ckpt-<step>.{index,data-*}
-(the last task.train.max_checkpoints_to_keep); train/events.* (TensorBoard).
+(the last task.train.max_checkpoints_to_keep); train/events.* (TensorBoard:
+scalars, the params and the partition report as text); events.* (the
+HParams session); timeline/step_<s>.{trace.json,png} (--timeline_steps).
 """
 
 from __future__ import annotations
 
-# pylint: disable=g-bad-import-order
+# pylint: disable=g-bad-import-order,g-import-not-at-top
+import sys
+
 from lingvo_pipe import _signals
 
-if __name__ == '__main__':  # Before TensorFlow's import, the slowest part.
+if __name__ == '__main__':  # Before anything imports TensorFlow.
   _signals.exit_on_signals('trainer', _signals.STARTUP)
+  from lingvo_pipe import _startup
+  _startup.import_tensorflow(sys.argv)
 
-from lingvo_pipe import _cli  # Imports TensorFlow without its banner.
+from lingvo_pipe import _cli
 
 import os
-import sys
 import time
 
 from absl import app
@@ -56,11 +61,16 @@ from lingvo_pipe.core import learning_rate
 from lingvo_pipe.core import model_registry
 from lingvo_pipe.core import optimizer
 from lingvo_pipe.core import preflight
+from lingvo_pipe.core import run_summaries
+from lingvo_pipe.core import step_timeline
 from lingvo_pipe.core import summaries
 from lingvo_pipe.core.hyperparams import Params
 
-_MODEL = flags.DEFINE_string('model', '', 'Registered model name, e.g. '
-                             'synthetic.regression.MlpRegression.')
+_MODEL = flags.DEFINE_string(
+    'model', '', 'The model: a registered name under lingvo_pipe.params, '
+    'e.g. synthetic.regression.MlpRegression, or module.Class of your own '
+    'module (on PYTHONPATH or in the working directory) whose class is '
+    'decorated with @model_registry.RegisterSingleTaskModel.')
 _LOGDIR = flags.DEFINE_string('logdir', '', 'Directory for params.txt, '
                               'checkpoints and summaries.')
 _OVERRIDE = flags.DEFINE_string(
@@ -91,6 +101,11 @@ _FORCE = flags.DEFINE_bool('force', False, 'Start even if logdir/params.txt '
                            'differs (it is then replaced).')
 _DETERMINISTIC = flags.DEFINE_bool('deterministic', True, 'Enable TensorFlow '
                                    'op determinism (bit-exact resumes).')
+_TIMELINE_STEPS = flags.DEFINE_list(
+    'timeline_steps', [], 'Steps (counted from 1, e.g. 10 or 10,500) to '
+    'record with the pipeline engine\'s timestamps: writes logdir/timeline/'
+    'step_<s>.trace.json (chrome://tracing) and step_<s>.png (needs '
+    'lingvo_pipe[plots]).')
 
 _PROGRESS_SECS = 5.0
 
@@ -98,7 +113,8 @@ _PROGRESS_SECS = 5.0
 class Trainer:
   """Holds the task, optimizer, global step and checkpoint of one run."""
 
-  def __init__(self, params: Params, logdir: str) -> None:
+  def __init__(self, params: Params, logdir: str,
+               timeline_steps: tuple[int, ...] = ()) -> None:
     self._params = params
     self._train = params.task.train
     self.task: base_model.BaseTask = params.task.Instantiate()
@@ -117,6 +133,9 @@ class Trainer:
     # No AutoGraph: FProps are graph code already (tf.cond, tf.while_loop),
     # and converting the pipeline's Python makes tracing ~3x slower.
     self._step_fn = tf.function(self._train_step, autograph=False)
+    self._timeline = (step_timeline.TimelineSteps(
+        logdir, timeline_steps, self.task, self._train_step)
+                      if timeline_steps else None)
     self.stop_reason = ''  # Set (by a signal handler) to stop after a step.
 
   def restore(self) -> int:
@@ -152,8 +171,11 @@ class Trainer:
   def latest_checkpoint(self) -> str | None:
     return self._manager.latest_checkpoint if self._manager else None
 
-  def _train_step(self, batch: base_model.NestedMap):
+  def _train_step(self, batch: base_model.NestedMap,
+                  timeline: list | None = None):
     """One step: loss, gradients, and the update iff all are finite.
+
+    `timeline`, if a list, collects the pipeline's op timestamps.
 
     Returns:
       (metrics, gradient norm, status, learning rate); status 0: applied;
@@ -163,7 +185,8 @@ class Trainer:
     train, variables = self._train, self._vars
     step = self.step.read_value()
     collector = fprop_context.StatsCollector()
-    with fprop_context.scope(training=True, step=step, stats=collector):
+    with fprop_context.scope(training=True, step=step, stats=collector,
+                             timeline=timeline):
       with tf.GradientTape() as tape:
         metrics = self.task.FProp(self.task.theta, batch)
         loss = metrics['loss'][0]
@@ -204,11 +227,18 @@ class Trainer:
     rate = _Rate(batch_size)
     for batch in generator.TrainDataset(start):
       s = int(self.step.numpy())
-      metrics, norm, status, lr = self._step_fn(batch)
-      if int(status):
-        self._stop_on_non_finite(s, metrics, norm, lr, writer, int(status))
       done = s + 1
       if done == start + 1:
+        logging.info('Tracing the train step (compiles the model; minutes '
+                     'for a deep pipeline)…')
+      if self._timeline is not None and self._timeline.wants(done):
+        metrics, norm, status, lr = self._timeline.run(done, batch)
+      else:
+        metrics, norm, status, lr = self._step_fn(batch)
+      if int(status):
+        self._stop_on_non_finite(s, metrics, norm, lr, writer, int(status))
+      if done == start + 1:
+        logging.info('Traced and ran the first step.')
         rate.examples_per_sec(done)  # Starts the clock after tracing.
       progress.update(done, float(metrics['loss'][0]))
       if done % train.summary_interval_steps == 0 or done == train.max_steps:
@@ -256,7 +286,7 @@ class Trainer:
                     '(learning rate %g, gradient norm %g): %d variables, '
                     'e.g. %s; nothing saved; %s. %s', step, float(lr),
                     float(norm), len(bad), bad[:3], kept_text, fix)
-    sys.exit(1)
+    raise _cli.RunStopped(exit_code=1)
 
 
 class _Rate:
@@ -394,7 +424,8 @@ def _prepare(params: Params, logdir: str):
   generator = params.input.Instantiate()
   generator.CheckAvailable()
   dataset = generator.TrainDataset(0)  # Builds (lazily): checks batch size.
-  trainer = Trainer(params, logdir)  # Partition, devices, FPropMeta shapes.
+  # Partition, devices, FPropMeta shapes.
+  trainer = Trainer(params, logdir, _timeline_steps())
   preflight.check_train_batches(trainer.task, generator, dataset.element_spec)
   return trainer, generator
 
@@ -423,16 +454,26 @@ def _main(argv: list[str]) -> None:
                  params.task.train.max_steps)
     return
   writer = _cli.summary_writer(logdir, 'train')
+  run_summaries.write_run_description(logdir, writer, start, params,
+                                      trainer.task)
   _signals.stop_after_step(trainer)
   with _cli.exit_on_user_error('trainer'):
     trainer.train(generator, writer, _MAX_MINUTES.value)
   writer.close()
 
 
+def _timeline_steps() -> tuple[int, ...]:
+  try:
+    return tuple(int(s) for s in _TIMELINE_STEPS.value)
+  except ValueError:
+    raise _cli.UserError(
+        f'--timeline_steps={",".join(_TIMELINE_STEPS.value)}: give step '
+        'numbers, e.g. --timeline_steps=10 or 10,500.') from None
+
+
 def run() -> None:
   """Console-script entry point (`lingvo_pipe_trainer`)."""
-  _signals.exit_on_signals('trainer', _signals.STARTUP)
-  app.run(_main, flags_parser=_cli.flags_parser('trainer'))
+  _cli.run_binary(_main, 'trainer', sys.modules[__name__])
 
 
 if __name__ == '__main__':

@@ -12,8 +12,12 @@ SentencePiece model) goes under the same cache root:
     <root>/tfds/                  TFDS data_dir
     <root>/vocab/                 SentencePiece models
 
-When a source is missing, `require` raises one `MissingDataError` that names
-the Debian packages, the places it looked and the command that fixes it.
+The TFDS builders themselves know none of this: they follow TFDS's
+manual-download convention and read their sources from `manual_dir` only.
+`manual_dir(dataset)` is the directory to give them (it is what
+`prepare_data` passes). When a source is missing, `require` and
+`manual_dir` raise one `MissingDataError` that names the Debian packages,
+the places it looked and the command that fixes it.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import pathlib
+from typing import Any, Sequence
 
 from lingvo_pipe import errors
 
@@ -136,6 +141,70 @@ def require(dataset: str) -> dict[str, pathlib.Path]:
   if missing:
     raise MissingDataError(_missing_message(dataset, missing))
   return found
+
+
+def manual_dir(dataset: str) -> pathlib.Path:
+  """The TFDS `manual_dir` of `dataset`: one directory with all its sources.
+
+  The builders follow TFDS's manual-download convention and read only
+  `dl_manager.manual_dir`: the IDX files for fashion_mnist, a SWORD library
+  (mods.d/, modules/) holding both Bibles for bible_en_es. This is the first
+  root (the cache, then the system) that holds every package of `dataset`.
+
+  Raises:
+    MissingDataError: no root holds them all; the message says how to fetch
+      them.
+  """
+  sources = _check_dataset(dataset)
+  for root in _roots():
+    dirs = {root / s.rel_dir for s in sources}
+    if len(dirs) == 1 and all(
+        all((root / s.rel_dir / f).is_file() for f in s.files)
+        for s in sources):
+      return dirs.pop()
+  missing = [s for s in sources if find(s) is None]
+  if missing:
+    raise MissingDataError(_missing_message(dataset, missing))
+  raise MissingDataError(
+      f'The Debian packages of dataset {dataset!r} are split between '
+      f'{debian_root()} and {SYSTEM_ROOT}; run `python -m '
+      f'lingvo_pipe.tasks.prepare_data --datasets={dataset}`, which extracts '
+      f'the rest into {debian_root()}.')
+
+
+def checked_manual_dir(dl_manager: Any, files: Sequence[str],
+                       instructions: str) -> pathlib.Path:
+  """A builder's `dl_manager.manual_dir`, checked to hold `files`.
+
+  Raises:
+    MissingDataError: the directory is missing, empty or lacks some of
+      `files`; the message names them and repeats `instructions`.
+  """
+  try:
+    path = pathlib.Path(str(dl_manager.manual_dir))
+  except AssertionError as e:  # TFDS: missing or empty manual directory.
+    raise MissingDataError(' '.join(str(e).split())) from None
+  missing = [f for f in files if not (path / f).is_file()]
+  if missing:
+    raise MissingDataError(
+        f'Manual directory {path} lacks {", ".join(missing)}. '
+        f'{" ".join(instructions.split())}')
+  return path
+
+
+def packages_to_fetch(dataset: str) -> list[str]:
+  """Packages to extract into the cache so that `manual_dir` finds them all.
+
+  Nothing when one root already holds every package; else those the cache
+  lacks.
+  """
+  try:
+    manual_dir(dataset)
+    return []
+  except MissingDataError:
+    cache = debian_root()
+    return [s.package for s in _check_dataset(dataset)
+            if not all((cache / s.rel_dir / f).is_file() for f in s.files)]
 
 
 def _missing_message(dataset: str, missing: list[DebianSource]) -> str:

@@ -4,13 +4,16 @@ Both datasets are small (Fashion-MNIST is 55 MB of pixels, the Bible 10 MB
 of text), so a split is returned as a dict of numpy arrays and the input
 generators batch from memory; TFDS is the on-disk format and the place that
 records splits and versions. Preparing never downloads: the builders read
-only the Debian packages' files (see `tasks.data_paths`), and the download
-config below forbids TFDS's own GCS shortcut.
+only the Debian packages' files, given to them as TFDS's `manual_dir` (see
+`tasks.data_paths`), and the download config below forbids TFDS's own GCS
+shortcut.
 
 >>> train = load('fashion_mnist', 'train')
 >>> train['image'].shape, train['label'].dtype
 ((60000, 28, 28, 1), dtype('int64'))
->>> dev = load('bible_en_es', 'dev')  # dev['en'][0] is a Python str.
+>>> dev = load('bible_en_es', 'validation')
+>>> type(dev['en'][0]).__name__
+'str'
 """
 
 from __future__ import annotations
@@ -27,13 +30,12 @@ import tensorflow_datasets as tfds
 
 from lingvo_pipe.tasks import data_paths
 
-# Short name -> (package that registers the builder, registered name, the
-# constructor argument that points it at its source files).
+# Short name -> (package that defines the builder, registered name).
 _BUILDERS = {
-    'fashion_mnist': ('lingvo_pipe.tasks.image.fashion_mnist', 'lingvo_pipe_fashion_mnist',
-                      'source_dir'),
-    'bible_en_es': ('lingvo_pipe.tasks.mt.bible_en_es', 'lingvo_pipe_bible_en_es',
-                    'sword_dir'),
+    'fashion_mnist': ('lingvo_pipe.tasks.image.fashion_mnist',
+                      'lingvo_pipe_fashion_mnist'),
+    'bible_en_es': ('lingvo_pipe.tasks.mt.bible_en_es',
+                    'lingvo_pipe_bible_en_es'),
 }
 NAMES = tuple(_BUILDERS)
 
@@ -57,26 +59,21 @@ def _quiet() -> Iterator[None]:
     absl_logger.setLevel(level)
 
 
-def builder(name: str, data_dir: str | pathlib.Path | None = None,
-            source_dir: str | pathlib.Path | None = None) -> Any:
+def builder(name: str, data_dir: str | pathlib.Path | None = None) -> Any:
   """The TFDS builder of dataset `name` ('fashion_mnist' or 'bible_en_es').
 
   Args:
     name: A short name from `NAMES` (or the registered 'lingvo_pipe_*' name).
     data_dir: TFDS data_dir; default `data_paths.tfds_dir()`.
-    source_dir: Where the source files are (the IDX directory, or a SWORD
-      library); default: where `data_paths` finds the Debian packages.
   """
-  short = {full: s for s, (_, full, _) in _BUILDERS.items()}.get(name, name)
+  short = {full: s for s, (_, full) in _BUILDERS.items()}.get(name, name)
   if short not in _BUILDERS:
     raise KeyError(f'Unknown dataset {name!r}; use one of {NAMES}.')
-  package, registered, source_arg = _BUILDERS[short]
-  importlib.import_module(package)  # Registers the builder with TFDS.
-  kwargs = {source_arg: source_dir} if source_dir is not None else {}
+  package, registered = _BUILDERS[short]
+  importlib.import_module(package)  # Registered already if TFDS was loaded.
   with _quiet():
     return tfds.builder(registered,
-                        data_dir=str(data_dir or data_paths.tfds_dir()),
-                        **kwargs)
+                        data_dir=str(data_dir or data_paths.tfds_dir()))
 
 
 def is_prepared(name: str, data_dir: str | pathlib.Path | None = None) -> bool:
@@ -87,17 +84,27 @@ def is_prepared(name: str, data_dir: str | pathlib.Path | None = None) -> bool:
 
 
 def prepare(name: str, data_dir: str | pathlib.Path | None = None,
-            source_dir: str | pathlib.Path | None = None) -> Any:
+            manual_dir: str | pathlib.Path | None = None) -> Any:
   """Builds dataset `name` into data_dir unless it is there; returns builder.
+
+  Args:
+    name: A short name from `NAMES`.
+    data_dir: TFDS data_dir; default `data_paths.tfds_dir()`.
+    manual_dir: TFDS's manual directory, where the builder reads its source
+      files; default `data_paths.manual_dir(name)` (the Debian packages).
 
   Raises:
     data_paths.MissingDataError: the source files are missing.
   """
-  b = builder(name, data_dir, source_dir)
+  b = builder(name, data_dir)
   with _quiet():
     if b.is_prepared():
       return b
-    config = tfds.download.DownloadConfig(try_download_gcs=False)
+  short = {full: s for s, (_, full) in _BUILDERS.items()}.get(name, name)
+  config = tfds.download.DownloadConfig(
+      try_download_gcs=False,
+      manual_dir=str(manual_dir or data_paths.manual_dir(short)))
+  with _quiet():
     b.download_and_prepare(
         download_dir=str(pathlib.Path(b.data_dir_root) / 'downloads'),
         download_config=config)
@@ -105,7 +112,7 @@ def prepare(name: str, data_dir: str | pathlib.Path | None = None,
 
 
 def load(name: str, split: str, data_dir: str | pathlib.Path | None = None,
-         source_dir: str | pathlib.Path | None = None
+         manual_dir: str | pathlib.Path | None = None
         ) -> dict[str, np.ndarray]:
   """All examples of `split` as numpy arrays, one per feature.
 
@@ -116,7 +123,7 @@ def load(name: str, split: str, data_dir: str | pathlib.Path | None = None,
     data_paths.MissingDataError: not prepared and the sources are missing.
     ValueError: `split` is not a split of the dataset.
   """
-  b = prepare(name, data_dir, source_dir)
+  b = prepare(name, data_dir, manual_dir)
   if split not in b.info.splits:
     raise ValueError(f'Dataset {name!r} has splits '
                      f'{sorted(b.info.splits)}, not {split!r}.')

@@ -1,6 +1,7 @@
 """Sets up every dataset offline: Debian packages → TFDS → vocabulary.
 
-    python -m lingvo_pipe.tasks.prepare_data [--datasets=fashion_mnist,bible_en_es]
+    lingvo_pipe_prepare_data [--datasets=fashion_mnist,bible_en_es]
+    python -m lingvo_pipe.tasks.prepare_data [...]   # the same
 
 1. Fetches the Debian packages a dataset needs unless already found (in the
    cache or installed system-wide): `apt-get download` into a temporary dir
@@ -63,7 +64,7 @@ def _find_deb(package: str, deb_dir: pathlib.Path | None,
 
 def fetch_packages(dataset: str, deb_dir: pathlib.Path | None) -> None:
   """Extracts the missing Debian packages of `dataset` into the cache."""
-  missing = data_paths.missing_packages(dataset)
+  missing = data_paths.packages_to_fetch(dataset)
   if not missing:
     _log(f'{dataset}: Debian sources present, nothing to fetch.')
     return
@@ -74,7 +75,7 @@ def fetch_packages(dataset: str, deb_dir: pathlib.Path | None) -> None:
       deb = _find_deb(package, deb_dir, pathlib.Path(tmp))
       subprocess.run(['dpkg', '-x', str(deb), str(target)], check=True)
       _log(f'{dataset}: extracted {deb.name} into {target}.')
-  data_paths.require(dataset)  # Fails loudly if the package lacked a file.
+  data_paths.manual_dir(dataset)  # Fails loudly if a package lacked a file.
 
 
 def build_tfds(dataset: str) -> None:
@@ -98,7 +99,7 @@ def train_vocab(vocab_size: int, retrain: bool) -> None:
   start = time.time()
   vocab.train(sentences, path, vocab_size=vocab_size)
   v = vocab.Vocab(path)
-  dev = datasets.load('bible_en_es', 'dev')
+  dev = datasets.load('bible_en_es', 'validation')
   lengths = {lang: np.mean([len(v.encode(s, add_eos=False)) for s in dev[lang]])
              for lang in ('en', 'es')}
   _log(f'vocab: trained {v.size} pieces on {len(sentences):,} training '
@@ -107,8 +108,10 @@ def train_vocab(vocab_size: int, retrain: bool) -> None:
 
 
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
+  script = os.path.basename(sys.argv[0])
   parser = argparse.ArgumentParser(
-      prog='python -m lingvo_pipe.tasks.prepare_data',
+      prog=(script if script == 'lingvo_pipe_prepare_data' else
+            'python -m lingvo_pipe.tasks.prepare_data'),
       description=__doc__.split('\n\n')[0])
   parser.add_argument('--datasets', default=','.join(datasets.NAMES),
                       help='Comma-separated datasets to prepare.')
@@ -121,6 +124,8 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
                       help='SentencePiece pieces of the bible_en_es vocab.')
   parser.add_argument('--retrain_vocab', action='store_true',
                       help='Train the vocabulary even if it exists.')
+  parser.add_argument('-v', '--verbosity', type=int, default=0,
+                      help='1 shows TensorFlow\'s start-up banner and logs.')
   return parser.parse_args(argv)
 
 
@@ -146,4 +151,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == '__main__':
+  from lingvo_pipe import _startup  # pylint: disable=g-import-not-at-top
+  _startup.import_tensorflow(sys.argv)  # Quietly, before TFDS loads it.
   sys.exit(main())

@@ -4,6 +4,11 @@ import os
 import random
 
 os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
+# tools/bench/memory.py reads the BFC allocator's stats; it asks for that
+# allocator itself, but TF creates it once, at the first op, which a test
+# module may run while pytest collects (tests/pipeline/test_microbatch.py
+# does). With oneDNN off (AMD CI) the default CPU allocator keeps no stats.
+os.environ.setdefault('TF_CPU_ALLOCATOR_USE_BFC', 'true')
 
 import numpy as np
 import pytest

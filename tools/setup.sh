@@ -2,7 +2,8 @@
 # Makes a checkout ready to run and test, on Debian 12 with Python 3.11:
 #
 #   1. .venv (python3.11 -m venv) with lingvo_pipe installed editable, with
-#      its dev extras (pip install -e '.[dev]');
+#      every extra the tests need (pip install -e "$EXTRAS", below: CPU
+#      TensorFlow, translation, plots, TensorBoard, pytest);
 #   2. the data sets (python -m lingvo_pipe.tasks.prepare_data: Debian packages fetched
 #      with apt-get download + dpkg -x, no root, then TFDS and vocabulary).
 #
@@ -17,6 +18,7 @@ set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$repo"
 venv_python=.venv/bin/python
+extras='.[dev,cpu,mt,plots,tensorboard]'
 stamp=.venv/lingvo_pipe_pyproject.sha256
 pip_log=.venv/lingvo_pipe_pip.log
 
@@ -36,10 +38,10 @@ make_venv() {
 
 install_package() {
   local want="$1"
-  log "pip install -e '.[dev]' into .venv (the first time downloads" \
+  log "pip install -e '$extras' into .venv (the first time downloads" \
     "TensorFlow, a few minutes; log: $pip_log)"
   if ! "$venv_python" -m pip install --disable-pip-version-check -q \
-      -e '.[dev]' >"$pip_log" 2>&1; then
+      -e "$extras" >"$pip_log" 2>&1; then
     tail -n 20 "$pip_log" >&2
     die "pip install failed; the full log is $pip_log."
   fi
@@ -51,7 +53,7 @@ main() {
   [[ -x "$venv_python" ]] || make_venv
   "$venv_python" -c 'import sys' 2>/dev/null || die ".venv is broken" \
     "('$venv_python' does not run); rm -rf .venv and run this again."
-  want="$(sha256sum pyproject.toml | cut -d' ' -f1)"
+  want="$( (sha256sum pyproject.toml; echo "$extras") | sha256sum | cut -d' ' -f1)"
   if [[ ! -f "$stamp" || "$(cat "$stamp")" != "$want" ]]; then
     install_package "$want"
   fi

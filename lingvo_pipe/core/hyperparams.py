@@ -9,17 +9,17 @@ logdir and refuses to resume under different params, printing `TextDiff`.
 
 >>> p = Params()
 >>> p.Define('learning_rate', 0.1, 'Peak learning rate.')
->>> p.Set(learning_rate=0.2)
->>> p.learning_rate
+>>> p.Set(learning_rate=0.2).learning_rate
 0.2
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import difflib
 import re
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 from lingvo_pipe.core import params_literal
 from lingvo_pipe.core import params_text
@@ -155,6 +155,58 @@ class Params:
   @property
   def is_frozen(self) -> bool:
     return self._frozen
+
+  # ---- Lingvo's tree operations ---------------------------------------------
+  def IsDefined(self, path: str) -> bool:
+    """Whether `path` ('a', 'a.b', 'layers[1].dim') names a defined param."""
+    node: Any = self
+    for part in path.split('.'):
+      m = _PATH_PART.match(part)
+      if not m or not isinstance(node, Params) or m.group(1) not in node:
+        return False
+      node = node._params[m.group(1)].value
+      for index in (int(i) for i in re.findall(r'\d+', m.group(2))):
+        if not isinstance(node, (list, tuple)) or index >= len(node):
+          return False
+        node = node[index]
+    return True
+
+  def Delete(self, *paths: str) -> 'Params':
+    """Removes the params at `paths` (names or dotted paths); returns self.
+
+    Raises:
+      ParamsError: a path is not defined (the message lists its level's
+        keys), or these Params are frozen.
+    """
+    for path in paths:
+      parent, key, index = self._Walk(path, create=False)
+      if index is not None:
+        raise ParamsError(f'Cannot Delete {path!r}: it names a list item; '
+                          'set the list instead.')
+      parent._CheckMutable(key)
+      del parent._params[key]
+    return self
+
+  def Visit(self, visit_fn: Callable[[str, Any], Any],
+            enter_fn: Callable[[str, Any], bool] | None = None,
+            exit_fn: Callable[[str, Any], Any] | None = None) -> None:
+    """Walks the tree as Lingvo's `Params.Visit` does.
+
+    Params, lists, tuples, namedtuples and dataclass instances can be
+    entered: `enter_fn(key, value)` is called first and, if it returns True
+    (the default), their items are visited, then `exit_fn(key, value)`.
+    Anything else, or a container `enter_fn` declined, goes to
+    `visit_fn(key, value)`. Keys are '' for this Params, then 'a.b' for a
+    Params key, 'a[1]' for a list or tuple item, 'a.field' for a namedtuple
+    or dataclass field.
+    """
+    _visit('', self, visit_fn, enter_fn or (lambda key, value: True),
+           exit_fn or (lambda key, value: None))
+
+  def CopyFieldsTo(self, to_p: 'Params',
+                   skip: str | Sequence[str] | None = None) -> 'Params':
+    """`CopyFieldsTo(self, to_p, skip)`: see the module function."""
+    return CopyFieldsTo(self, to_p, skip)
 
   # ---- Text ----------------------------------------------------------------
   def ToText(self) -> str:
@@ -379,6 +431,56 @@ class InstantiableParams(Params):
                         '`cls` is None. Set p.cls or start from '
                         'SomeClass.Params().')
     return self.cls(self, **kwargs)
+
+
+def CopyFieldsTo(from_p: Params, to_p: Params,
+                 skip: str | Sequence[str] | None = None) -> Params:
+  """Copies every field of `from_p` except `cls` and `skip` into `to_p`.
+
+  Lingvo's helper for building one layer's Params from another's: `to_p`
+  keeps its class (so `to_p.Instantiate()` builds what it did), nested Params
+  are copied, other values are shared. Returns `to_p`.
+
+  Raises:
+    ParamsError: `to_p` has no field of that name; add it to `skip` or
+      Define it in `to_p`'s class.
+  """
+  skipped = {skip} if isinstance(skip, str) else set(skip or ())
+  skipped.add('cls')
+  for name, value in from_p.IterParams():
+    if name in skipped:
+      continue
+    if name not in to_p:
+      raise ParamsError(
+          f'CopyFieldsTo: {to_p._Full(name)!r} is not defined in the target '
+          f'Params (it has {", ".join(to_p._params) or "no fields"}); pass '
+          f'skip=[{name!r}] or Define it there.')
+    to_p.Set(**{name: value.Copy() if isinstance(value, Params) else value})
+  return to_p
+
+
+def _visit(key: str, value: Any, visit_fn: Callable[[str, Any], Any],
+           enter_fn: Callable[[str, Any], bool],
+           exit_fn: Callable[[str, Any], Any]) -> None:
+  """Params.Visit's recursion: see its docstring."""
+  if isinstance(value, Params):
+    items = [(f'{key}.{k}' if key else k, v) for k, v in value.IterParams()]
+  elif isinstance(value, tuple) and hasattr(value, '_fields'):  # namedtuple
+    items = [(f'{key}.{f}', getattr(value, f)) for f in value._fields]
+  elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+    items = [(f'{key}.{f.name}', getattr(value, f.name))
+             for f in dataclasses.fields(value)]
+  elif isinstance(value, (list, tuple)):
+    items = [(f'{key}[{i}]', v) for i, v in enumerate(value)]
+  else:
+    visit_fn(key, value)
+    return
+  if not enter_fn(key, value):
+    visit_fn(key, value)
+    return
+  for sub_key, sub_value in items:
+    _visit(sub_key, sub_value, visit_fn, enter_fn, exit_fn)
+  exit_fn(key, value)
 
 
 # ---- Value (de)serialisation -------------------------------------------------

@@ -15,6 +15,11 @@ lives. Looking a name up imports only `lingvo_pipe.params.image.fashion_mnist` (
 registry that imported every config up front would pay for, and break on,
 every unrelated model); listing the models imports them all.
 
+A model of your own lives in your own module, as in Lingvo's pip workflow:
+`mymodel.py` in the working directory (or anywhere on PYTHONPATH) with a
+registered `MyModel` class is `--model=mymodel.MyModel`. A name is looked up
+under `lingvo_pipe.params` first, then as a module of its own.
+
 `get_params(name, dataset)` composes what the binaries run, so a single
 override syntax reaches everything:
 
@@ -30,7 +35,9 @@ from __future__ import annotations
 
 import difflib
 import importlib
+import os
 import pkgutil
+import sys
 
 from lingvo_pipe import errors
 from lingvo_pipe.core import base_model
@@ -91,6 +98,30 @@ def _import_module(name: str) -> None:
       raise
 
 
+def _import_user_module(name: str) -> str:
+  """Imports the module part of `name` from sys.path plus the working
+  directory (where `python -m` would look; a console script's sys.path lacks
+  it). Returns '' or a hint for the unknown-model message."""
+  module, _, cls_name = name.rpartition('.')
+  if not module or not all(p.isidentifier() for p in module.split('.')):
+    return ''
+  cwd = os.getcwd()
+  if '' not in sys.path and cwd not in sys.path:
+    sys.path.append(cwd)  # Last: files in cwd do not shadow installed ones.
+  try:
+    imported = importlib.import_module(module)
+  except ModuleNotFoundError as e:
+    missing = e.name or ''
+    if not (module == missing or module.startswith(missing + '.')):
+      raise  # The user's module exists but fails to import something.
+    return ''
+  if isinstance(getattr(imported, cls_name, None), type):
+    return (f' Module {module} ({getattr(imported, "__file__", "?")}) '
+            f'defines {cls_name} but does not register it: decorate it with '
+            '@model_registry.RegisterSingleTaskModel.')
+  return f' Module {module} has no class {cls_name}.'
+
+
 def _import_all() -> None:
   """Imports every module under the `params` package."""
   try:
@@ -116,6 +147,7 @@ def get_class(name: str) -> type[base_model.SingleTaskModelParams]:
   """
   if name not in _MODELS:
     _import_module(name)
+  user_hint = _import_user_module(name) if name not in _MODELS else ''
   if name in _MODELS:
     return _MODELS[name]
   known = list_models()
@@ -126,8 +158,10 @@ def get_class(name: str) -> type[base_model.SingleTaskModelParams]:
   hint = (f' Closest: {", ".join(close)}.' if close else
           f' Registered: {", ".join(known) or "(none)"}.')
   raise ModelRegistryError(
-      f'Unknown model {name!r}.{hint} Names are <module under params/>.'
-      '<class>, e.g. synthetic.regression.MlpRegression.')
+      f'Unknown model {name!r}.{user_hint}{hint} Names are <module under '
+      'params/>.<class>, e.g. synthetic.regression.MlpRegression, or '
+      '<your module>.<class> with the module on PYTHONPATH or in the '
+      'working directory.')
 
 
 def get_params(name: str, dataset: str) -> Params:

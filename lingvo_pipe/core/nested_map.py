@@ -90,6 +90,111 @@ class NestedMap(dict):
     """Applies `fn` to every leaf."""
     return tf.nest.map_structure(fn, self)
 
+  def Get(self, path: str, default: Any = None) -> Any:
+    """The value at dotted `path` ('a.b', 'layers[1].b'), else `default`."""
+    try:
+      return self.GetItem(path)
+    except KeyError:
+      return default
+
+  def Has(self, path: str) -> bool:
+    """Whether dotted `path` names an entry."""
+    try:
+      self.GetItem(path)
+      return True
+    except KeyError:
+      return False
+
+  def Set(self, path: str, value: Any) -> 'NestedMap':
+    """Sets dotted `path` to `value`, creating NestedMaps on the way, as
+    Lingvo's `Set`: 'a.b.c', or with list items 'a[0].b' (a list is created
+    if missing; an index may be at most the list's length, which appends).
+    Returns self.
+
+    Raises:
+      ValueError: a part of the path holds a non-dict value, or an index is
+        past the end of its list.
+    """
+    node: Any = self
+    parts = path.split('.')
+    for depth, part in enumerate(parts):
+      m = re.fullmatch(r'([^\[\]]+)(?:\[(\d+)\])?', part)
+      key, index = (m.group(1), m.group(2)) if m else (part, None)
+      NestedMap._CheckKey(key)
+      last = depth == len(parts) - 1
+      if index is None:
+        if last:
+          node[key] = value
+          break
+        node = node.setdefault(key, NestedMap())
+      else:
+        items = node.setdefault(key, [])
+        i = int(index)
+        if not isinstance(items, list) or i > len(items):
+          size = len(items) if isinstance(items, list) else 'not a list'
+          raise ValueError(f'NestedMap.Set({path!r}): {part} is past the end '
+                           f'of {key!r} ({size}); set the items before it.')
+        if i == len(items):
+          items.append(None if last else NestedMap())
+        if last:
+          items[i] = value
+          break
+        if items[i] is None:
+          items[i] = NestedMap()
+        node = items[i]
+      if not isinstance(node, dict):
+        raise ValueError(
+            f'NestedMap.Set({path!r}): {".".join(parts[:depth + 1])!r} holds '
+            f'a {type(node).__name__}, not a NestedMap; set a path whose '
+            'parts are all maps.')
+    return self
+
+  def TransformWithKey(self, fn: Callable[[str, Any], Any]) -> 'NestedMap':
+    """Applies `fn(path, leaf)` to every leaf (paths as in FlattenItems)."""
+    leaves = [fn(path, leaf) for path, leaf in self.FlattenItems()]
+    return self.Pack(leaves)
+
+  def IsCompatible(self, other: 'NestedMap') -> bool:
+    """Whether `other` has the same paths, so that Pack/Flatten swap them."""
+    return ([k for k, _ in self.FlattenItems()] ==
+            [k for k, _ in NestedMap(other).FlattenItems()])
+
+  @staticmethod
+  def FromNestedDict(x: Any) -> Any:
+    """`x` with every dict in it (nested in dicts, lists, tuples) a
+    NestedMap."""
+    if isinstance(x, dict):
+      return NestedMap({k: NestedMap.FromNestedDict(v) for k, v in x.items()})
+    if isinstance(x, (list, tuple)):
+      return type(x)(NestedMap.FromNestedDict(v) for v in x)
+    return x
+
+  def Filter(self, fn: Callable[[Any], bool]) -> 'NestedMap':
+    """A copy with only the leaves where `fn(leaf)` holds (see FilterKeyVal)."""
+    return self.FilterKeyVal(lambda _, value: fn(value))
+
+  def FilterKeyVal(self, fn: Callable[[str, Any], bool]) -> 'NestedMap':
+    """A copy with only the leaves where `fn(path, leaf)` holds.
+
+    Paths are `FlattenItems`'. A map or list that loses all its entries to
+    the filter is dropped too; one that was empty already is kept (Lingvo's
+    rule).
+    """
+    kept = _filter(self, '', fn)
+    return NestedMap() if kept is _DELETED else kept
+
+  def Union(self, other: dict) -> 'NestedMap':
+    """A new map with the entries of both; nested maps merge, and where both
+    hold a leaf (or list) at the same path, `other`'s wins."""
+    out = NestedMap(self)
+    for key, value in other.items():
+      mine = out.get(key)
+      if isinstance(mine, dict) and isinstance(value, dict):
+        out[key] = NestedMap(mine).Union(value)
+      else:
+        out[key] = value
+    return out
+
   def GetItem(self, path: str) -> Any:
     """The leaf or subtree at a `FlattenItems` path: 'fc.w', 'layers[1].b'.
 
@@ -117,6 +222,36 @@ class NestedMap(dict):
 
 # Keys that a method would shadow: m.Flatten must stay the method.
 NestedMap._RESERVED = frozenset(dir(NestedMap))  # pylint: disable=W0212
+
+
+_DELETED = object()  # FilterKeyVal: this entry, and so maybe its parent, goes.
+
+
+def _filter(node: Any, path: str, fn: Callable[[str, Any], bool]) -> Any:
+  """FilterKeyVal's recursion: the filtered copy of `node`, or _DELETED."""
+  if isinstance(node, dict):
+    out, deleted = NestedMap() if isinstance(node, NestedMap) else {}, False
+    for key in sorted(node):
+      kept = _filter(node[key], f'{path}.{key}' if path else key, fn)
+      if kept is _DELETED:
+        deleted = True
+      else:
+        out[key] = kept
+  elif isinstance(node, (list, tuple)):
+    items, deleted = [], False
+    for i, item in enumerate(node):
+      kept = _filter(item, f'{path}[{i}]', fn)
+      if kept is _DELETED:
+        deleted = True
+      else:
+        items.append(kept)
+    if hasattr(node, '_fields') and len(items) == len(node):
+      out = node._make(items)  # A namedtuple keeps its type if whole.
+    else:
+      out = tuple(items) if isinstance(node, tuple) else items
+  else:
+    return node if fn(path, node) else _DELETED
+  return _DELETED if deleted and not out else out
 
 
 def _items(node: Any, prefix: str) -> Iterator[tuple[str, Any]]:

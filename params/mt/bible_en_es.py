@@ -65,7 +65,7 @@ class _BibleTransformer(base_model.SingleTaskModelParams):
     return p
 
   def Dev(self):
-    return self._Input('dev', self.EVAL_BATCH_SIZE)
+    return self._Input('validation', self.EVAL_BATCH_SIZE)
 
   def Test(self):
     return self._Input('test', self.EVAL_BATCH_SIZE)

@@ -46,10 +46,12 @@ class DecodeError(errors.LingvoPipeError):
 class PipelineDecoder:
   """Runs a PipeliningLayer of `lingvo_pipe.tasks.mt.layers` token by token.
 
-  >>> dec = PipelineDecoder(task.children.pipeline)
-  >>> memory = dec.encode(theta.pipeline, src_ids, src_paddings)
-  >>> step_fn, state = dec.step_fn(theta.pipeline, memory, src_paddings, 64)
-  >>> ids = greedy_search(step_fn, state, batch_size, 64)
+  In a TranslationTask (`task`, its `theta`; see tasks/mt/model.py):
+
+      dec = PipelineDecoder(task.children.pipeline)
+      memory = dec.encode(theta.pipeline, src_ids, src_paddings)
+      step_fn, state = dec.step_fn(theta.pipeline, memory, src_paddings, 64)
+      ids = greedy_search(step_fn, state, batch_size, 64)
   """
 
   def __init__(self, pipeline: Any) -> None:

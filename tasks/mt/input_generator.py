@@ -51,7 +51,7 @@ from lingvo_pipe.core.nested_map import NestedMap
 from lingvo_pipe.tasks import datasets
 from lingvo_pipe.tasks.mt import vocab as vocab_lib
 
-SPLITS = ('train', 'dev', 'test')
+SPLITS = ('train', 'validation', 'test')  # TFDS's names.
 
 
 def encode_pairs(vocab: vocab_lib.Vocab, sources: Sequence[str],

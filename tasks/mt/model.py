@@ -21,8 +21,9 @@ import math
 from typing import Any
 
 import numpy as np
-import sacrebleu
 import tensorflow as tf
+
+from lingvo_pipe import extras
 
 from lingvo_pipe.core import base_layer
 from lingvo_pipe.core import base_model
@@ -197,6 +198,7 @@ class BleuAggregator(base_model.WeightedMeanAggregator):
 
   def __init__(self, vocab_path: Any = None) -> None:
     super().__init__()
+    self._sacrebleu = extras.require('sacrebleu', 'mt', 'BLEU scoring')
     self._vocab = vocab_lib.Vocab(vocab_path)
     self.hypotheses: list[str] = []
     self.references: list[str] = []
@@ -213,7 +215,7 @@ class BleuAggregator(base_model.WeightedMeanAggregator):
     out = super().Finalize()
     if 'log_pplx' in out:
       out['perplexity'] = math.exp(min(out['log_pplx'], 700.0))
-    out['bleu'] = float(sacrebleu.corpus_bleu(self.hypotheses,
-                                              [self.references]).score)
+    out['bleu'] = float(self._sacrebleu.corpus_bleu(
+        self.hypotheses, [self.references]).score)
     out['num_sentences'] = float(len(self.hypotheses))
     return out

@@ -14,7 +14,9 @@ Slots are in the order of the module's versification (`versification.py`);
 heading slots (module, book, chapter) are skipped. The text is OSIS XML;
 `clean_osis` turns it into plain text for translation.
 
->>> module = ZTextModule.from_library('/usr/share/sword', 'engKJV2006eb')
+>>> from lingvo_pipe.tasks import data_paths
+>>> library = data_paths.manual_dir('bible_en_es')  # e.g. /usr/share/sword
+>>> module = ZTextModule.from_library(library, 'engKJV2006eb')
 >>> verses = module.verses()  # {VerseRef('Gen', 1, 1): '<w ...>', ...}
 >>> clean_osis(verses[VerseRef('Gen', 1, 1)])
 'In the beginning God created the heaven and the earth.'

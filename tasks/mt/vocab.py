@@ -26,8 +26,8 @@ import pathlib
 from typing import Iterable, Sequence
 
 import numpy as np
-import sentencepiece as spm
 
+from lingvo_pipe import extras
 from lingvo_pipe.tasks import data_paths
 
 PAD_ID, EOS_ID, BOS_ID, UNK_ID = 0, 1, 2, 3
@@ -60,6 +60,7 @@ def train(sentences: Iterable[str], model_path: str | pathlib.Path,
   Returns:
     model_path.
   """
+  spm = _sentencepiece()
   model_path = pathlib.Path(model_path)
   model_path.parent.mkdir(parents=True, exist_ok=True)
   spm.set_random_generator_seed(seed)
@@ -82,6 +83,12 @@ def train(sentences: Iterable[str], model_path: str | pathlib.Path,
   return model_path
 
 
+def _sentencepiece():
+  """The sentencepiece module (the `mt` extra), imported when first used."""
+  return extras.require('sentencepiece', 'mt',
+                          'The translation task\'s sub-word vocabulary')
+
+
 class Vocab:
   """Encodes text to ids (ending in EOS) and back, with a trained model."""
 
@@ -97,7 +104,7 @@ class Vocab:
           f'SentencePiece model {path} not found. Train it with `python -m '
           'lingvo_pipe.tasks.prepare_data --datasets=bible_en_es` (it is trained on the '
           'training split when the dataset is prepared).')
-    self._sp = spm.SentencePieceProcessor(model_file=str(path))
+    self._sp = _sentencepiece().SentencePieceProcessor(model_file=str(path))
     self.path = path
 
   @property

@@ -2,15 +2,16 @@
 
 TFDS's own `fashion_mnist` downloads from a host our machines cannot reach and
 checks upstream's gzip checksums, which Debian's files do not match. This
-builder reads the IDX files of `dataset-fashion-mnist` (MIT licence) from disk
-and never downloads: 60,000 train and 10,000 test 28×28 grey images in 10
-classes.
+builder reads the IDX files of `dataset-fashion-mnist` (MIT licence) from
+TFDS's manual directory and never downloads: 60,000 train and 10,000 test
+28×28 grey images in 10 classes.
 
-    builder = LingvoPipeFashionMnist(data_dir=data_paths.tfds_dir())
-    builder.download_and_prepare()  # Reads <source_dir>/*-ubyte.gz.
+    tfds build lingvo_pipe_fashion_mnist --imports=lingvo_pipe \\
+        --manual_dir=/usr/share/datasets/fashion-mnist
 
-`source_dir` defaults to where `tasks.data_paths` finds the package; tests
-point it at fixture files.
+`python -m lingvo_pipe.tasks.prepare_data` does the same with the manual
+directory it found or extracted (`data_paths.manual_dir`); tests point
+`DownloadConfig(manual_dir=...)` at fixture files.
 """
 
 from __future__ import annotations
@@ -24,6 +25,18 @@ import tensorflow_datasets as tfds
 from lingvo_pipe.tasks import data_paths
 from lingvo_pipe.tasks.image.fashion_mnist import idx
 
+_CITATION = """\
+@article{xiao2017fashionmnist,
+  author  = {Han Xiao and Kashif Rasul and Roland Vollgraf},
+  title   = {Fashion-MNIST: a Novel Image Dataset for Benchmarking Machine
+             Learning Algorithms},
+  journal = {CoRR},
+  volume  = {abs/1708.07747},
+  year    = {2017},
+  url     = {https://arxiv.org/abs/1708.07747},
+}
+"""
+
 CLASS_NAMES = ('T-shirt/top', 'Trouser', 'Pullover', 'Dress', 'Coat',
                'Sandal', 'Shirt', 'Sneaker', 'Bag', 'Ankle boot')
 _SPLIT_FILES = {
@@ -36,14 +49,19 @@ class LingvoPipeFashionMnist(tfds.core.GeneratorBasedBuilder):
   """Fashion-MNIST read from local IDX files (see the module docstring)."""
 
   name = 'lingvo_pipe_fashion_mnist'
-  VERSION = tfds.core.Version('1.0.0')
-  RELEASE_NOTES = {'1.0.0': 'Built from Debian dataset-fashion-mnist.'}
-
-  def __init__(self, *, source_dir: str | pathlib.Path | None = None,
-               **kwargs: Any) -> None:
-    """Args: source_dir holds the four IDX .gz files; kwargs go to TFDS."""
-    self._source_dir = pathlib.Path(source_dir) if source_dir else None
-    super().__init__(**kwargs)
+  VERSION = tfds.core.Version('1.1.0')
+  RELEASE_NOTES = {
+      '1.0.0': 'Built from Debian dataset-fashion-mnist.',
+      '1.1.0': 'Citation and licence; the IDX files come from manual_dir.',
+  }
+  MANUAL_DOWNLOAD_INSTRUCTIONS = f"""\
+  Put the four IDX files of Fashion-MNIST ({', '.join(
+      data_paths.FASHION_MNIST_FILES)}) in the manual directory. Debian ships
+  them in the package dataset-fashion-mnist (`sudo apt-get install
+  dataset-fashion-mnist`, then --manual_dir=/usr/share/datasets/fashion-mnist),
+  or run `python -m lingvo_pipe.tasks.prepare_data --datasets=fashion_mnist`,
+  which extracts the package without root and builds this dataset.
+  """
 
   def _info(self) -> tfds.core.DatasetInfo:
     return tfds.core.DatasetInfo(
@@ -57,12 +75,14 @@ class LingvoPipeFashionMnist(tfds.core.GeneratorBasedBuilder):
         }),
         supervised_keys=('image', 'label'),
         homepage='https://github.com/zalandoresearch/fashion-mnist',
+        citation=_CITATION,
+        license='MIT',
     )
 
   def _split_generators(self, dl_manager: Any) -> dict[str, Iterator]:
-    del dl_manager  # Local files only: nothing is downloaded.
-    source = self._source_dir or data_paths.require('fashion_mnist')[
-        'dataset-fashion-mnist']
+    source = data_paths.checked_manual_dir(
+        dl_manager, data_paths.FASHION_MNIST_FILES,
+        self.MANUAL_DOWNLOAD_INSTRUCTIONS)
     return {split: self._generate_examples(source / images, source / labels)
             for split, (images, labels) in _SPLIT_FILES.items()}
 

@@ -19,17 +19,21 @@ Alignment and cleaning (`aligned_pairs`):
 
 Splits are whole books, so no verse of a held-out book has a near-duplicate
 (a synoptic parallel, a Kings/Chronicles doublet) in training:
-  * dev  = Ruth, Ecclesiastes, John                  (1,186 verses)
+  * validation = Ruth, Ecclesiastes, John            (1,186 verses)
   * test = Esther, Daniel, Romans, Hebrews           (1,260 verses)
   * train = every other verse                        (about 28,000)
 
 Features: en, es (text), book (OSIS id, e.g. 'John'), chapter, verse (int32).
+
+The two modules are read from TFDS's manual directory, a SWORD library:
+
+    tfds build lingvo_pipe_bible_en_es --imports=lingvo_pipe \\
+        --manual_dir=/usr/share/sword
 """
 
 from __future__ import annotations
 
 import collections
-import pathlib
 from typing import Any, Iterator
 
 import numpy as np
@@ -44,12 +48,26 @@ ES_MODULE = 'spaRV1909eb'
 DEV_BOOKS = ('Ruth', 'Eccl', 'John')
 TEST_BOOKS = ('Esth', 'Dan', 'Rom', 'Heb')
 MIN_LENGTH_RATIO, MAX_LENGTH_RATIO = 0.4, 2.5
+SPLITS = ('train', 'validation', 'test')
+_CITATION = """\
+@misc{crosswire_kjv,
+  title  = {King James Version (1769) with Strongs Numbers and Morphology},
+  note   = {SWORD module engKJV2006eb, The CrossWire Bible Society},
+  url    = {https://www.crosswire.org/sword/modules/ModInfo.jsp?modName=KJV},
+}
+@misc{crosswire_rv1909,
+  title  = {Reina-Valera 1909},
+  note   = {SWORD module spaRV1909eb, The CrossWire Bible Society},
+  url    = {https://www.crosswire.org/sword/modules/},
+}
+"""
 
 
 def split_of(book: str) -> str:
-  """'dev', 'test' or 'train': the split holding every verse of `book`."""
+  """'validation', 'test' or 'train': the split holding every verse of
+  `book`."""
   if book in DEV_BOOKS:
-    return 'dev'
+    return 'validation'
   return 'test' if book in TEST_BOOKS else 'train'
 
 
@@ -86,17 +104,21 @@ class LingvoPipeBibleEnEs(tfds.core.GeneratorBasedBuilder):
   """Aligned KJV / RV1909 verses (see the module docstring)."""
 
   name = 'lingvo_pipe_bible_en_es'
-  VERSION = tfds.core.Version('1.0.0')
-  RELEASE_NOTES = {'1.0.0': 'KJV (engKJV2006eb 14.3) and RV1909 '
-                            '(spaRV1909eb 2.60) from Debian bookworm.'}
-
-  def __init__(self, *, sword_dir: str | pathlib.Path | None = None,
-               **kwargs: Any) -> None:
-    """Args: sword_dir is a SWORD library (mods.d/, modules/) holding both
-    modules; None finds the Debian packages with `data_paths`. kwargs go to
-    TFDS (data_dir, ...)."""
-    self._sword_dir = pathlib.Path(sword_dir) if sword_dir else None
-    super().__init__(**kwargs)
+  VERSION = tfds.core.Version('2.0.0')
+  RELEASE_NOTES = {
+      '1.0.0': 'KJV (engKJV2006eb 14.3) and RV1909 (spaRV1909eb 2.60) from '
+               'Debian bookworm.',
+      '2.0.0': 'The dev split is named validation, as TFDS names it; '
+               'citation and licence; the modules come from manual_dir.',
+  }
+  MANUAL_DOWNLOAD_INSTRUCTIONS = f"""\
+  The manual directory must be a SWORD library (mods.d/ and modules/) that
+  holds the modules {EN_MODULE} and {ES_MODULE}. Debian ships them in the
+  packages sword-text-kjv and sword-text-sparv (`sudo apt-get install
+  sword-text-kjv sword-text-sparv`, then --manual_dir=/usr/share/sword), or
+  run `python -m lingvo_pipe.tasks.prepare_data --datasets=bible_en_es`,
+  which extracts the packages without root and builds this dataset.
+  """
 
   def _info(self) -> tfds.core.DatasetInfo:
     return tfds.core.DatasetInfo(
@@ -114,24 +136,22 @@ class LingvoPipeBibleEnEs(tfds.core.GeneratorBasedBuilder):
         }),
         supervised_keys=('en', 'es'),
         homepage='https://www.crosswire.org/sword/modules/',
+        citation=_CITATION,
+        license='Public domain (both texts).',
     )
 
-  def _libraries(self) -> tuple[pathlib.Path, pathlib.Path]:
-    if self._sword_dir is not None:
-      return self._sword_dir, self._sword_dir
-    found = data_paths.require('bible_en_es')
-    return found['sword-text-kjv'], found['sword-text-sparv']
-
   def _split_generators(self, dl_manager: Any) -> dict[str, Iterator]:
-    del dl_manager  # Local files only: nothing is downloaded.
-    en_library, es_library = self._libraries()
-    pairs = aligned_pairs(sword.read_clean_verses(en_library, EN_MODULE),
-                          sword.read_clean_verses(es_library, ES_MODULE))
+    sources = data_paths.SOURCES['bible_en_es']
+    library = data_paths.checked_manual_dir(
+        dl_manager, [f for source in sources for f in source.files],
+        self.MANUAL_DOWNLOAD_INSTRUCTIONS)
+    pairs = aligned_pairs(sword.read_clean_verses(library, EN_MODULE),
+                          sword.read_clean_verses(library, ES_MODULE))
     by_split = collections.defaultdict(list)
     for pair in pairs:
       by_split[split_of(pair[0].book)].append(pair)
     return {split: self._generate_examples(by_split[split])
-            for split in ('train', 'dev', 'test')}
+            for split in SPLITS}
 
   def _generate_examples(self, pairs: list[tuple[VerseRef, str, str]]
                         ) -> Iterator[tuple[str, dict[str, Any]]]:

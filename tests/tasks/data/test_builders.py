@@ -18,7 +18,7 @@ def test_fashion_mnist_splits_equal_the_idx_files(tmp_path, fashion_dir):
   data_dir = tmp_path / 'tfds'
   for split, (images, labels) in expected.items():
     got = datasets.load('fashion_mnist', split, data_dir=data_dir,
-                        source_dir=source)
+                        manual_dir=source)
     assert got['image'].shape == (len(labels), 28, 28, 1)
     assert got['image'].dtype == np.uint8
     assert _as_set(got['image'][..., 0], got['label']) == _as_set(
@@ -32,7 +32,7 @@ def test_fashion_mnist_splits_equal_the_idx_files(tmp_path, fashion_dir):
 
 def _fixture_pairs(bible_verses):
   """Expected (book, chapter, verse, en, es) per split, from the table."""
-  out = {'train': [], 'dev': [], 'test': []}
+  out = {'train': [], 'validation': [], 'test': []}
   for ref, _, _, en, es in bible_verses:
     if en is not None:  # None marks a verse of a dropped chapter.
       out[bible_en_es.split_of(ref.book)].append(
@@ -46,7 +46,7 @@ def test_bible_splits_hold_the_aligned_verses(tmp_path, sword_library,
   assert all(expected.values())  # The fixture covers every split.
   for split, rows in expected.items():
     got = datasets.load('bible_en_es', split, data_dir=tmp_path / 'tfds',
-                        source_dir=sword_library)
+                        manual_dir=sword_library)
     records = sorted(zip(got['book'], got['chapter'].tolist(),
                          got['verse'].tolist(), got['en'], got['es']))
     assert records == sorted(rows), split
@@ -68,7 +68,8 @@ def test_alignment_drops_shifted_chapters():
 def test_held_out_books_are_disjoint():
   assert not set(bible_en_es.DEV_BOOKS) & set(bible_en_es.TEST_BOOKS)
   assert bible_en_es.split_of('Gen') == 'train'
-  assert {bible_en_es.split_of(b) for b in bible_en_es.DEV_BOOKS} == {'dev'}
+  assert {bible_en_es.split_of(b)
+          for b in bible_en_es.DEV_BOOKS} == {'validation'}
 
 
 def test_missing_sources_raise_before_building(tmp_path, empty_data_root):
@@ -76,3 +77,24 @@ def test_missing_sources_raise_before_building(tmp_path, empty_data_root):
                         ('bible_en_es', 'sword-text-kjv')):
     with pytest.raises(data_paths.MissingDataError, match=package):
       datasets.load(name, 'train', data_dir=tmp_path / 'tfds')
+
+
+def test_builders_carry_citation_licence_and_manual_instructions(tmp_path):
+  for name, words in (('fashion_mnist', ('xiao2017', 'MIT')),
+                      ('bible_en_es', ('Reina-Valera', 'Public domain'))):
+    b = datasets.builder(name, data_dir=tmp_path)
+    assert words[0] in b.info.citation
+    assert words[1] in b.info.redistribution_info.license
+    assert 'prepare_data' in b.MANUAL_DOWNLOAD_INSTRUCTIONS
+
+
+def test_a_manual_dir_without_the_sources_names_the_files(tmp_path):
+  manual = tmp_path / 'manual'
+  manual.mkdir()
+  (manual / 'README').write_text('not the data')
+  with pytest.raises(data_paths.MissingDataError,
+                     match=r'lacks train-images-idx3-ubyte.gz.*apt-get'):
+    datasets.prepare('fashion_mnist', tmp_path / 'tfds', manual_dir=manual)
+  with pytest.raises(data_paths.MissingDataError, match='does not exist'):
+    datasets.prepare('fashion_mnist', tmp_path / 'tfds',
+                     manual_dir=tmp_path / 'nowhere')

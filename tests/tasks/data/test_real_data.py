@@ -39,7 +39,7 @@ def test_kjv_and_rv1909_align():
   pairs = bible_en_es.aligned_pairs(en, es)
   assert 30000 <= len(pairs) <= 31102
   assert all(a and b and '<' not in a + b for _, a, b in pairs)
-  dev = [p for p in pairs if bible_en_es.split_of(p[0].book) == 'dev']
+  dev = [p for p in pairs if bible_en_es.split_of(p[0].book) == 'validation']
   test = [p for p in pairs if bible_en_es.split_of(p[0].book) == 'test']
   assert 1000 <= len(dev) <= 1500 and 1000 <= len(test) <= 1500
 

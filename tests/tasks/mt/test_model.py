@@ -79,7 +79,7 @@ def test_bleu_aggregator_equals_sacrebleu(mt_data, mt_vocab):
 def test_eval_step_decodes_every_dev_sentence(mt_data, tiny_task_params,
                                               beam_size, fprop_dtype):
   gen = input_generator.BibleTranslationInput.Params().Set(
-      split='dev', batch_size=4, max_len=32, tsv_path=mt_data['dev'],
+      split='validation', batch_size=4, max_len=32, tsv_path=mt_data['dev'],
       vocab_path=mt_data['vocab']).Instantiate()
   task = tiny_task_params(batch_size=4, max_len=32, beam_size=beam_size,
                           fprop_dtype=fprop_dtype).Instantiate()

@@ -14,7 +14,7 @@ MAX_LEN = 32
 
 def _gen(mt_data, split, **kwargs):
   values = dict(split=split, batch_size=4, max_len=MAX_LEN,
-                tsv_path=mt_data[split if split == 'dev' else 'train'],
+                tsv_path=mt_data['dev' if split == 'validation' else 'train'],
                 vocab_path=mt_data['vocab'])
   values.update(kwargs)
   return input_generator.BibleTranslationInput.Params().Set(
@@ -51,7 +51,7 @@ def test_training_arrays_shift_pad_and_drop(mt_data, mt_vocab):
 
 
 def test_eval_keeps_and_cuts_long_pairs(mt_data):
-  gen = _gen(mt_data, 'dev')
+  gen = _gen(mt_data, 'validation')
   arrays = gen.Arrays()
   assert gen.num_truncated == 1 and gen.num_examples == 11
   row = list(arrays['tgt_text']).index(LONG_PAIR[1])  # Full reference.
@@ -71,7 +71,7 @@ def test_train_batches_are_fixed_and_a_function_of_the_step(mt_data):
 
 
 def test_eval_batches_carry_the_references(mt_data):
-  batches = list(_gen(mt_data, 'dev').EvalDataset())
+  batches = list(_gen(mt_data, 'validation').EvalDataset())
   assert [b.src_ids.shape[0] for b in batches] == [4, 4, 3]
   assert batches[0].tgt_text.numpy()[0].decode() == PAIRS[0][1]
 

@@ -27,7 +27,7 @@ DEEP = 'mt.bible_en_es.TransformerDeep'
 def test_both_configs_are_registered():
   assert {SMALL, SMALL_BF16, DEEP} <= set(model_registry.list_models())
   params = model_registry.get_params(SMALL, 'Dev')
-  assert params.input.split == 'dev'
+  assert params.input.split == 'validation'
   assert params.task.pipeline.num_stages == 2  # task.pipeline.* overrides.
 
 

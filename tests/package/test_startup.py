@@ -1,0 +1,60 @@
+"""The binaries' start-up: --verbosity read before TensorFlow loads, extras
+named when missing, TensorFlow's INFO chatter filtered by where it comes
+from."""
+
+import logging
+import sys
+
+from absl import logging as absl_logging
+import pytest
+
+from lingvo_pipe import _startup
+from lingvo_pipe import extras
+
+
+@pytest.mark.parametrize('argv, level', [
+    (['trainer'], 0),
+    (['trainer', '--verbosity=1'], 1),
+    (['trainer', '-v', '2'], 2),
+    (['trainer', '-v=1', '--model=x'], 1),
+    (['trainer', '--verbosity', '-1'], -1),
+    (['trainer', '--verbosity=oops'], 0),
+    (['trainer', '--model=verbosity'], 0),
+])
+def test_requested_verbosity(argv, level):
+  assert _startup.requested_verbosity(argv) == level
+
+
+def test_a_missing_extra_names_it(monkeypatch):
+  monkeypatch.setitem(sys.modules, 'sacrebleu', None)  # Import fails.
+  with pytest.raises(extras.MissingExtraError,
+                     match=r"BLEU needs .*'sacrebleu'.*lingvo_pipe\[mt\]"):
+    extras.require('sacrebleu', 'mt', 'BLEU')
+
+
+def test_missing_tensorflow_names_both_extras(monkeypatch):
+  monkeypatch.delitem(sys.modules, 'tensorflow')
+  monkeypatch.setattr(_startup.importlib.util, 'find_spec', lambda name: None)
+  with pytest.raises(extras.MissingExtraError,
+                     match=r"lingvo_pipe\[cpu\].*lingvo_pipe\[gpu\]"):
+    _startup.import_tensorflow(['trainer'])
+
+
+def _record(pathname: str, level: int) -> logging.LogRecord:
+  return logging.LogRecord('absl', level, pathname, 1, 'msg', None, None)
+
+
+def test_library_info_lines_are_dropped_below_verbosity_one():
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  tf_file = tf.__file__.replace('__init__.py', 'python/checkpoint/saver.py')
+  handler = absl_logging.get_absl_handler()
+  try:
+    _startup.configure_python_logging(0)
+    assert not handler.filter(_record(tf_file, logging.INFO))
+    assert handler.filter(_record(tf_file, logging.WARNING))
+    assert handler.filter(_record(__file__, logging.INFO))
+    _startup.configure_python_logging(1)
+    assert handler.filter(_record(tf_file, logging.INFO))
+  finally:
+    _startup.configure_python_logging(1)  # Leaves no filter behind.
+    logging.getLogger('tensorflow').setLevel(logging.NOTSET)
