@@ -2,7 +2,8 @@
 # Makes a checkout ready to run and test, on Debian 12 with Python 3.11:
 #
 #   1. .venv (python3.11 -m venv) with lingvo_pipe installed editable, with
-#      its dev extras (pip install -e '.[dev]');
+#      its dev extras (pip install -e '.[dev]'; the benchmark's optional
+#      peer, torch, is not: .venv/bin/pip install '.[peers]' adds it);
 #   2. the data sets (python -m lingvo_pipe.tasks.prepare_data: Debian packages fetched
 #      with apt-get download + dpkg -x, no root, then TFDS and vocabulary).
 #

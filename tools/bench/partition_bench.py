@@ -19,8 +19,8 @@ so noise hits both alike; max/mean is taken of each stage's median over
 rounds, with the per-round min–max beside it. The profile itself is the
 per-layer median of `rounds` passes.
 
-Register in sections.py as ('Profile-driven partitioning', 1, this module).
-Until then, run it alone (prints the section; ~2 min on 2 busy cores):
+Registered in sections.py as `partition`; it also runs alone (prints the
+section; ~2 min on 2 busy cores):
 
     python tools/bench/partition_bench.py [--tiny] [--reps=N] [--clock=wall]
 """
@@ -149,7 +149,8 @@ def _profile_costs(layers: list[Any], inputs: Any, cfg: dict[str, Any],
   return costs, spread
 
 
-def run(args: argparse.Namespace, devices: list[str]) -> dict[str, Any]:
+def run(args: argparse.Namespace,
+        devices: list[str] | None = None) -> dict[str, Any]:
   cfg = sizes(args.tiny)
   if args.reps:
     cfg['repeats'] = args.reps
@@ -213,6 +214,6 @@ if __name__ == '__main__':
   _parser.add_argument('--tiny', action='store_true')
   _parser.add_argument('--reps', type=int, default=0)
   _parser.add_argument('--clock', choices=sorted(profile.CLOCKS), default='')
-  _section = run(_parser.parse_args(), [])
+  _section = run(_parser.parse_args())
   print(json.dumps(_section))
   print(render(_section))
