@@ -8,7 +8,10 @@ Why not the alternatives: a logical-device memory_limit applies to GPUs,
 not CPUs; an RSS or address-space cap (RLIMIT_AS) also counts the TF
 runtime's code, thread stacks and reserved virtual memory (GBs of address
 space before the first op), and ends the process with a bare MemoryError or
-a kill instead of TF's error naming the tensor.
+a kill instead of TF's error naming the tensor. The trials run with oneDNN
+off (TF_ENABLE_ONEDNN_OPTS=0, TF's Eigen kernels): with it on, a step that
+reached the limit often died of SIGSEGV instead of raising (TF 2.21, this
+Xeon), so "out of memory" could not be told from a crash.
 
 The family is an activation-heavy FC stack (a big batch of narrow rows), as
 AmoebaNet on 480×480 images is: what pipelining and recompute save is
@@ -97,7 +100,8 @@ def trial(cfg: dict[str, Any], k: int, recompute: str | None,
             'kind': 'hand' if recompute is None else 'pipeline'}
   run = stage_procs.launch(
       {'configs': [config], 'warmup': 2, 'reps': 0, 'memory': True}, k,
-      env={'TF_CPU_BFC_MEM_LIMIT_IN_MB': str(cfg['budget_mib'])},
+      env={'TF_CPU_BFC_MEM_LIMIT_IN_MB': str(cfg['budget_mib']),
+           'TF_ENABLE_ONEDNN_OPTS': '0'},
       allow_failure=True)
   if run.returncode:
     # Out of memory is the expected failure; anything else (a crash near
@@ -154,7 +158,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def render(s: dict[str, Any]) -> str:
   base = max(1, s['rows'][0]['max_layers'])
-  paper = {r[0].lower(): r for r in reference.GPIPE_TABLE1_AMOEBANET}
+  paper = {r[0].lower().replace('naive-1', 'naive'): r
+           for r in reference.GPIPE_TABLE1_AMOEBANET}
   rows = []
   for r in s['rows']:
     p = paper.get(r['name'], ('',) * 5)
@@ -167,7 +172,8 @@ def render(s: dict[str, Any]) -> str:
   lines = [
       f'Budget: {s["budget_mib"]} MiB per process, TF\'s own allocator limit '
       '(TF_CPU_BFC_MEM_LIMIT_IN_MB; see the module docstring for why not '
-      f'an RSS cap). Network: {s["network"]}; pipelines use M={s["M"]} and '
+      'an RSS cap), oneDNN off (with it, steps at the limit crashed with '
+      f'SIGSEGV instead of raising OOM). Network: {s["network"]}; pipelines use M={s["M"]} and '
       'recompute; pipeline-K runs K stage processes. Every trial is a fresh '
       'run; the layer count doubles, then bisects.',
       '',
