@@ -206,7 +206,25 @@ def render(s: dict[str, Any]) -> str:
                     'predicted max/mean by flops',
                     'predicted max/mean by profile',
                     'measured stage times (ms)', 'measured max/mean'], rows),
-      '', report.target_lines(s['targets'])])
+      '', report.target_lines(s['targets'])] + _limits(s))
+
+
+def _limits(s: dict[str, Any]) -> list[str]:
+  """'What limits it' for each profile partition over its target."""
+  notes = []
+  for r in s['rows']:
+    if r['by'] != 'profile' or r['imbalance'] <= TARGET_IMBALANCE:
+      continue
+    notes.append(
+        f'K={r["K"]}: the profile predicted max/mean '
+        f'{r["predicted_by_profile"]:.3f} for this cut and the stages '
+        f'measured {r["imbalance"]:.3f} (rounds '
+        f'{r["imbalance_min"]:.3f}–{r["imbalance_max"]:.3f}): the '
+        'per-layer times do not add up to the stage\'s time (a stack of '
+        'layers runs faster or slower than its layers one by one), or no '
+        'cut of whole layers balances them better (the exact partitioner\'s '
+        'optimum is the predicted figure)')
+  return ['- What limits it: ' + '; '.join(notes) + '.'] if notes else []
 
 
 if __name__ == '__main__':

@@ -39,10 +39,11 @@ def sizes(tiny: bool) -> dict[str, Any]:
   if tiny:
     return {'net': common.NetSpec(4, 32, 32), 'layers': 4, 'width': 32,
             'micro': 64, 'reps': 1}
-  # A micro-batch of activations per layer is 512 KiB; the weights 1 MiB
-  # per layer: at M=32 GPipe holds 32 × 4 layers × ~1 MiB per stage.
-  return {'net': common.NetSpec(16, 512, 1024), 'layers': 8, 'width': 512,
-          'micro': 256, 'reps': 7}
+  # Activation-heavy, so gradients hardly count: a micro-batch's output of
+  # one layer is 512 KiB, its weights 64 KiB. At M=32 GPipe holds 32 × 8
+  # layers × 512 KiB per stage; 1F1B at most 2 micro-batches.
+  return {'net': common.NetSpec(16, 512, 1024), 'layers': 16, 'width': 128,
+          'micro': 1024, 'reps': 7}
 
 
 def _memory(cfg: dict[str, Any]) -> list[dict[str, Any]]:

@@ -88,7 +88,28 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                       num_devices=K)
   timeline.write_chrome_trace(os.path.join(args.out_dir, TRACE), panels)
   return {'network': spec.describe(), 'png': PNG, 'trace': TRACE,
-          'rows': rows}
+          'rows': rows, 'targets': _targets(rows)}
+
+
+def _targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+  """The schedules' memory bounds, read off the measured steps."""
+  from bench import report  # pylint: disable=g-import-not-at-top
+  by = {r['schedule']: r for r in rows}
+  one = by['1f1b']['in_flight']
+  return [
+      report.target('GPipe: fewest micro-batches held by a stage at once '
+                    f'(all M={M})', min(by['gpipe']['in_flight']), '>=', M,
+                    ''),
+      report.target('1F1B: micro-batches held by stage k ÷ (K−k), worst '
+                    'stage', max(n / (K - k) for k, n in enumerate(one)),
+                    '<=', 1, ''),
+      report.target('interleaved: stages holding more micro-batches than '
+                    'the simulator', sum(
+                        a > b for a, b in zip(
+                            by['interleaved']['in_flight'],
+                            by['interleaved']['in_flight_predicted'])),
+                    '<=', 0, ''),
+  ]
 
 
 def render(s: dict[str, Any]) -> str:
@@ -115,4 +136,5 @@ def render(s: dict[str, Any]) -> str:
       '',
       f'- Chrome trace of all six panels: [{s["trace"]}]({s["trace"]}) '
       '(ui.perfetto.dev or chrome://tracing).',
+      report.target_lines(s.get('targets', [])),
   ])
