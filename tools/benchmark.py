@@ -1,18 +1,22 @@
-"""The benchmark suite: GPipe's tables, measured side by side on this machine.
+"""The benchmark suite: the issues' targets, measured side by side here.
 
-    python tools/benchmark.py all                 # the full report (~5 min, 2 cores)
-    python tools/benchmark.py throughput          # one section
-    python tools/benchmark.py all --tiny          # smoke test, seconds
+    python tools/benchmark.py all                 # the full report (quiet machine)
+    python tools/benchmark.py efficiency          # one section
+    python tools/benchmark.py all --tiny          # smoke test, a few minutes
 
-Sub-commands: throughput (GPipe Table 2), memory (Table 1), overheads,
-fidelity (simulator vs measurement), timeline (docs/timeline_k2_m4.png).
-Each writes its section into docs/benchmarks.json and re-renders
-docs/benchmarks.md (plus PNGs) from it. `all` runs each sub-command in its
-own child process: worker clusters, logical-device set-ups and allocators
-of one section cannot leak into the next.
+Sub-commands (sections.py): efficiency, overlap, table1, peer (issue 9:
+stage processes, data parallelism, GPipe Table 1, torch's pipelining);
+schedules, fidelity, partition, overheads, timeline (issue 10: 1F1B vs
+GPipe, the simulator, profiled partitions, tracing, pictures). Each writes
+its section into docs/benchmarks.json and re-renders docs/benchmarks.md
+(plus PNGs) from it. `all` runs each sub-command in its own child process,
+so the allocator and TF runtime of one section cannot leak into the next;
+speed and memory come from stage processes that each section starts
+(stage_procs.py), one per stage and replica, pinned to cores.
 
-Every process this tool starts (children, TF workers) is stopped by PID,
-also on SIGTERM / Ctrl-C.
+Every process this tool starts (children, stage processes) is stopped by
+PID, also on SIGTERM / Ctrl-C. Run the full suite on a quiet machine: each
+section records the load average before and after it.
 """
 
 from __future__ import annotations
@@ -45,14 +49,12 @@ def _parser() -> argparse.ArgumentParser:
   parser.add_argument('--tiny', action='store_true', help='Tiny sizes, one '
                       'repetition: checks the machinery in seconds; the '
                       'numbers mean nothing.')
-  parser.add_argument('--devices', choices=('workers', 'logical'),
-                      default=None, help='Stage devices of the timed '
-                      'sections: single-core TF worker processes (default) '
-                      'or logical CPU devices of this process (default with '
-                      '--tiny).')
-  parser.add_argument('--reps', type=int, default=0, help='Timed '
-                      'repetitions per configuration (0 = the section\'s '
-                      'default).')
+  parser.add_argument('--reps', type=int, default=0, help='Timed (or '
+                      'recorded) repetitions per configuration (0 = the '
+                      'section\'s default).')
+  parser.add_argument('--rounds', type=int, default=0, help='Independent '
+                      'runs of the sections that repeat themselves '
+                      '(efficiency, fidelity; 0 = 3, or 1 with --tiny).')
   parser.add_argument('--out_dir', default=os.path.join(_ROOT, 'docs'),
                       help='Where benchmarks.json/.md and the PNGs go.')
   return parser
@@ -96,14 +98,12 @@ def _run_all(args: argparse.Namespace, argv: list[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
   argv = list(sys.argv[1:] if argv is None else argv)
   args = _parser().parse_args(argv)
-  if args.devices is None:
-    args.devices = 'logical' if args.tiny else 'workers'
   if args.command == 'all':
     return _run_all(args, argv)
-  start = time.time()
+  start, load = time.time(), os.getloadavg()[0]
   section: dict[str, Any] = sections.run_section(args)
   sections.store(args.out_dir, args.command, section, _command(argv),
-                 time.time() - start, args)
+                 time.time() - start, args, (load, os.getloadavg()[0]))
   return 0
 
 

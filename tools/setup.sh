@@ -3,7 +3,8 @@
 #
 #   1. .venv (python3.11 -m venv) with lingvo_pipe installed editable, with
 #      every extra the tests need (pip install -e "$EXTRAS", below: CPU
-#      TensorFlow, translation, plots, TensorBoard, pytest);
+#      TensorFlow, translation, plots, TensorBoard, pytest; the benchmark's
+#      optional peer, torch, is not: .venv/bin/pip install '.[peers]' adds it);
 #   2. the data sets (python -m lingvo_pipe.tasks.prepare_data: Debian packages fetched
 #      with apt-get download + dpkg -x, no root, then TFDS and vocabulary).
 #

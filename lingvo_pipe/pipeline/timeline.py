@@ -87,17 +87,28 @@ def normalized(records: Iterable[Any]) -> list[Record]:
 class StepRecorder:
   """A compiled training step that returns the engine's timestamps.
 
-  Each call runs forward + `tape.gradient` of `loss_fn(net.FProp(...))`
-  (and `update(grads)` if given) inside one `tf.function`, and returns the
-  step's records, normalized to start at 0. The first call traces; time the
-  later ones.
+  Each call runs one training step inside one `tf.function` and returns its
+  records (normalized to start at 0 unless `normalize=False`: stage
+  processes keep absolute seconds, which one host's processes share). Two
+  forms:
+
+  * `labels` None: `loss_fn(net.FProp(...))` → scalar loss, and
+    `tape.gradient` (GPipe only: the loss is outside the pipeline);
+  * `labels` given: `net.FPropLoss(theta, inputs, labels, loss_fn)`, the
+    loss in the last stage, so any schedule (1F1B, interleaved); `loss_fn`
+    is then (outputs, labels) → {'loss': (value, weight), ...}.
+
+  `update(variables, grads)`, if given, runs in the step. The first call
+  traces; time the later ones. In a stage process the records are this
+  process's stages only.
   """
 
   def __init__(self, net: Any, inputs: Sequence[Any],
-               loss_fn: Callable[[Any], tf.Tensor], step: int = 0,
+               loss_fn: Callable[..., Any], step: int = 0,
                update: Callable[[list[Any], list[tf.Tensor]], Any] | None
-               = None) -> None:
+               = None, labels: Any = None, normalize: bool = True) -> None:
     self._keys: list[tuple[int, int, str]] = []
+    self._normalize = normalize
     variables = list(net.trainable_variables)
 
     @tf.function
@@ -105,7 +116,11 @@ class StepRecorder:
       timeline: list[Any] = []
       with tf.GradientTape() as tape:
         with fprop_context.scope(training=True, step=step, timeline=timeline):
-          loss = loss_fn(net.FProp(net.theta, *inputs))
+          if labels is None:
+            loss = loss_fn(net.FProp(net.theta, *inputs))
+          else:
+            loss = net.FPropLoss(net.theta, tuple(inputs), labels,
+                                 loss_fn)['loss'][0]
       grads = tape.gradient(loss, variables)
       if update is not None:
         update(variables, grads)
@@ -123,8 +138,9 @@ class StepRecorder:
 
   def __call__(self) -> list[Record]:
     times = self._fn().numpy()  # [num_records, 2], seconds.
-    return normalized(Record(k, m, kind, float(s), float(e))
-                      for (k, m, kind), (s, e) in zip(self._keys, times))
+    records = [Record(k, m, kind, float(s), float(e))
+               for (k, m, kind), (s, e) in zip(self._keys, times)]
+    return normalized(records) if self._normalize else _checked(records)
 
 
 def record_step(net: Any, inputs: Sequence[Any],
@@ -238,13 +254,18 @@ def write_chrome_trace(path: str,
 
 # ---- Gantt chart ----------------------------------------------------------
 def plot_gantt(panels: Sequence[tuple[str, Iterable[Any]]], path: str,
-               title: str = '', share_time_axis: bool = True) -> None:
+               title: str = '', share_time_axis: bool = True,
+               num_devices: int | None = None) -> None:
   """A PNG Gantt chart: one panel per (name, records), one row per stage.
 
   Boxes are coloured by kind (forward, recompute, backward) and labelled with
   the micro-batch index where they are wide enough; time is in ms from the
   panel's first op. Stage 0 is the top row, so GPipe's fill shows as a
   diagonal running down and to the right.
+
+  With `num_devices` = K, the rows are devices instead: stage s runs on
+  device s mod K (interleaved schedules, v stages per device), and boxes
+  of chunk c = s div K ≥ 1 are hatched, labelled like '3c1'.
   """
   import matplotlib  # Late: only the pictures need it.
   matplotlib.use('Agg')
@@ -256,12 +277,17 @@ def plot_gantt(panels: Sequence[tuple[str, Iterable[Any]]], path: str,
     raise TimelineError('plot_gantt got no records; give (name, records) '
                         'pairs with at least one record.')
   num_stages = max(r.stage for _, recs in data for r in recs) + 1
+  if num_devices is not None and not 1 <= num_devices <= num_stages:
+    raise TimelineError(f'num_devices={num_devices!r}: give K, 1 ≤ K ≤ '
+                        f'{num_stages} (the records have {num_stages} '
+                        'stages).')
+  rows = num_devices or num_stages
   fig, axes = plt.subplots(
       len(data), 1, sharex=share_time_axis, squeeze=False,
-      figsize=(11, 0.5 + len(data) * (0.9 + 0.45 * num_stages)))
+      figsize=(11, 0.5 + len(data) * (0.9 + 0.45 * rows)))
   span = max((r.end for _, recs in data for r in recs), default=1.0) * 1e3
   for ax, (name, recs) in zip(axes[:, 0], data):
-    _draw_panel(ax, name, recs, num_stages, span)
+    _draw_panel(ax, name, recs, rows, span, num_devices is not None)
   axes[-1, 0].set_xlabel('time (ms)')
   kinds = [k for k in KINDS if any(r.kind == k for _, rs in data for r in rs)]
   fig.legend(handles=[patches.Patch(color=_COLORS[k], label=_NAMES[k])
@@ -274,21 +300,25 @@ def plot_gantt(panels: Sequence[tuple[str, Iterable[Any]]], path: str,
   plt.close(fig)
 
 
-def _draw_panel(ax: Any, name: str, recs: list[Record], num_stages: int,
-                span_ms: float) -> None:
-  """One panel: a row per stage, a labelled box per record."""
+def _draw_panel(ax: Any, name: str, recs: list[Record], num_rows: int,
+                span_ms: float, by_device: bool = False) -> None:
+  """One panel: a row per stage (or device), a labelled box per record."""
   end_ms = max((r.end for r in recs), default=0.0) * 1e3
   ax.set_title(f'{name} — step {end_ms:.1f} ms', loc='left', fontsize=10)
   for r in recs:
     x, w = r.start * 1e3, (r.end - r.start) * 1e3
-    ax.broken_barh([(x, w)], (r.stage - 0.4, 0.8),
+    row, chunk = ((r.stage % num_rows, r.stage // num_rows) if by_device
+                  else (r.stage, 0))
+    ax.broken_barh([(x, w)], (row - 0.4, 0.8),
                    facecolors=_COLORS[r.kind], edgecolor='white',
-                   linewidth=0.6)
-    if w > span_ms / 110:  # Room for a label.
-      ax.text(x + w / 2, r.stage, str(r.micro_batch), ha='center',
-              va='center', color='white', fontsize=7, fontweight='bold')
-  ax.set_yticks(range(num_stages))
-  ax.set_yticklabels([f'stage {k}' for k in range(num_stages)])
-  ax.set_ylim(num_stages - 0.5, -0.5)  # Stage 0 on top.
+                   linewidth=0.6, hatch='///' if chunk else None)
+    label = f'{r.micro_batch}c{chunk}' if chunk else str(r.micro_batch)
+    if w > span_ms / 110 * len(label):  # Room for a label.
+      ax.text(x + w / 2, row, label, ha='center', va='center',
+              color='white', fontsize=7, fontweight='bold')
+  ax.set_yticks(range(num_rows))
+  ax.set_yticklabels([f'{"device" if by_device else "stage"} {k}'
+                      for k in range(num_rows)])
+  ax.set_ylim(num_rows - 0.5, -0.5)  # Stage 0 on top.
   ax.grid(axis='x', alpha=0.3)
   ax.set_axisbelow(True)

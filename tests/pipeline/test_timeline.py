@@ -126,3 +126,37 @@ def test_overlap_fraction():
   alone = 2 * (1.0 + 2.0)
   assert timeline.overlap_fraction(sim.events) == pytest.approx(
       (busy - alone) / busy)
+
+
+def test_gantt_rows_per_device_for_interleaved(tmp_path):
+  sim = simulator.simulate([simulator.StageCost(forward=1e-3)] * 4, 4,
+                           'never', 'interleaved', num_chunks=2)
+  path = tmp_path / 'i.png'
+  timeline.plot_gantt([('interleaved', sim.events)], str(path),
+                      num_devices=2)
+  assert path.read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
+  with pytest.raises(timeline.TimelineError, match='num_devices=5'):
+    timeline.plot_gantt([('x', sim.events)], str(path), num_devices=5)
+
+
+def test_step_recorder_with_the_loss_in_the_pipeline():
+  """1F1B needs the loss in the last stage (FPropLoss): labels= selects it;
+  normalize=False keeps the absolute seconds stage processes compare."""
+  d = 8
+  layers = [linear.FCLayer.Params().Set(name=f'fc{i}', input_dim=d,
+                                        output_dim=d) for i in range(4)]
+  net = gpipe.PipeliningLayer.Params().Set(
+      name='net', layers=layers, num_stages=2, num_micro_batches=2,
+      schedule='1f1b', input_shapes=[[4, d]]).Instantiate()
+  x = tf.random.stateless_normal([4, d], seed=[1, 2])
+
+  def loss_fn(y, labels):
+    n = tf.cast(tf.shape(y)[0], y.dtype)
+    return {'loss': (tf.reduce_sum(tf.square(y - labels)) / n, n)}
+
+  recorder = timeline.StepRecorder(net, (x,), loss_fn,
+                                   labels=tf.zeros([4, d]), normalize=False)
+  records = recorder()
+  assert {(r.stage, r.micro_batch, r.kind) for r in records} == {
+      (k, m, kind) for k in range(2) for m in range(2) for kind in 'FRB'}
+  assert min(r.start for r in records) > 1e9  # Seconds since the epoch.

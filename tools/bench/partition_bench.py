@@ -19,8 +19,8 @@ so noise hits both alike; max/mean is taken of each stage's median over
 rounds, with the per-round min–max beside it. The profile itself is the
 per-layer median of `rounds` passes.
 
-Register in sections.py as ('Profile-driven partitioning', 1, this module).
-Until then, run it alone (prints the section; ~2 min on 2 busy cores):
+Registered in sections.py as `partition`; it also runs alone (prints the
+section; ~2 min on 2 busy cores):
 
     python tools/bench/partition_bench.py [--tiny] [--reps=N] [--clock=wall]
 """
@@ -149,7 +149,8 @@ def _profile_costs(layers: list[Any], inputs: Any, cfg: dict[str, Any],
   return costs, spread
 
 
-def run(args: argparse.Namespace, devices: list[str]) -> dict[str, Any]:
+def run(args: argparse.Namespace,
+        devices: list[str] | None = None) -> dict[str, Any]:
   cfg = sizes(args.tiny)
   if args.reps:
     cfg['repeats'] = args.reps
@@ -205,7 +206,25 @@ def render(s: dict[str, Any]) -> str:
                     'predicted max/mean by flops',
                     'predicted max/mean by profile',
                     'measured stage times (ms)', 'measured max/mean'], rows),
-      '', report.target_lines(s['targets'])])
+      '', report.target_lines(s['targets'])] + _limits(s))
+
+
+def _limits(s: dict[str, Any]) -> list[str]:
+  """'What limits it' for each profile partition over its target."""
+  notes = []
+  for r in s['rows']:
+    if r['by'] != 'profile' or r['imbalance'] <= TARGET_IMBALANCE:
+      continue
+    notes.append(
+        f'K={r["K"]}: the profile predicted max/mean '
+        f'{r["predicted_by_profile"]:.3f} for this cut and the stages '
+        f'measured {r["imbalance"]:.3f} (rounds '
+        f'{r["imbalance_min"]:.3f}–{r["imbalance_max"]:.3f}): the '
+        'per-layer times do not add up to the stage\'s time (a stack of '
+        'layers runs faster or slower than its layers one by one), or no '
+        'cut of whole layers balances them better (the exact partitioner\'s '
+        'optimum is the predicted figure)')
+  return ['- What limits it: ' + '; '.join(notes) + '.'] if notes else []
 
 
 if __name__ == '__main__':
@@ -213,6 +232,6 @@ if __name__ == '__main__':
   _parser.add_argument('--tiny', action='store_true')
   _parser.add_argument('--reps', type=int, default=0)
   _parser.add_argument('--clock', choices=sorted(profile.CLOCKS), default='')
-  _section = run(_parser.parse_args(), [])
+  _section = run(_parser.parse_args())
   print(json.dumps(_section))
   print(render(_section))

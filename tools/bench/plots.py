@@ -5,9 +5,9 @@ from __future__ import annotations
 import os
 from typing import Any
 
-THROUGHPUT_PNG = 'throughput.png'
 FIDELITY_PNG = 'fidelity.png'
-MEMORY_PNG = 'memory.png'
+TABLE1_PNG = 'table1.png'
+SCHEDULES_PNG = 'schedules_memory.png'
 
 
 def _pyplot() -> Any:
@@ -17,61 +17,69 @@ def _pyplot() -> Any:
   return plt
 
 
-def throughput(s: dict[str, Any], path: str) -> None:
-  plt = _pyplot()
-  ms = [r['M'] for r in s['rows']]
-  fig, ax = plt.subplots(figsize=(6, 3.6))
-  ax.plot(ms, [r['speedup'] for r in s['rows']], 'o-', label='measured')
-  ax.plot(ms, [r['ideal'] for r in s['rows']], 's--',
-          label=f'ideal C·M/(M+1), C={s["ceiling"]["ceiling"]:.2f}')
-  ax.plot(ms, [2 * m / (m + 1) for m in ms], ':', color='gray',
-          label='2·M/(M+1) (perfect cores)')
-  ax.set_xscale('log', base=2)
-  ax.set_xticks(ms, [str(m) for m in ms])
-  ax.set_xlabel('micro-batches M')
-  ax.set_ylabel('speed-up K=2 ÷ K=1')
-  ax.set_title('Pipeline speed-up, K=2 ÷ K=1 (same M)', fontsize=10)
-  ax.grid(alpha=0.3)
-  ax.legend(fontsize=8)
-  fig.tight_layout()
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
-
-
 def fidelity(s: dict[str, Any], path: str) -> None:
+  """Measured vs predicted span per K and schedule (the last round)."""
   plt = _pyplot()
   fig, ax = plt.subplots(figsize=(6, 3.6))
-  for k, marker in ((1, 'o'), (2, 's')):
-    rows = [r for r in s['rows'] if r['K'] == k]
-    ms = [r['M'] for r in rows]
-    line = ax.plot(ms, [r['measured_s'] for r in rows], marker + '-',
-                   label=f'K={k} measured')[0]
-    ax.plot(ms, [r['predicted_s'] for r in rows], marker + '--',
-            color=line.get_color(), alpha=0.6, label=f'K={k} predicted')
+  rows = s['rounds'][-1]['rows']
+  for (k, schedule), marker in (((1, 'gpipe'), 'o'), ((1, '1f1b'), 'v'),
+                                ((2, 'gpipe'), 's'), ((2, '1f1b'), 'D')):
+    sel = [r for r in rows if r['K'] == k and r['schedule'] == schedule]
+    if not sel:
+      continue
+    ms = [r['M'] for r in sel]
+    line = ax.plot(ms, [r['measured_s'] for r in sel], marker + '-',
+                   label=f'K={k} {schedule} measured')[0]
+    ax.plot(ms, [r['predicted_s'] for r in sel], marker + '--',
+            color=line.get_color(), alpha=0.6, label='predicted')
   ax.set_xlabel('micro-batches M')
-  ax.set_ylabel('step (s)')
+  ax.set_ylabel('recorded step span (s)')
   ax.set_ylim(bottom=0)
-  ax.set_title('Simulator vs measured (calibrated on K=1 at M=1 and '
-               'max M, and K=2 at M=1)', fontsize=9)
+  ax.set_title('Simulator vs stage processes (last round)', fontsize=9)
   ax.grid(alpha=0.3)
-  ax.legend(fontsize=8)
+  ax.legend(fontsize=6, ncol=2)
   fig.tight_layout()
   fig.savefig(path, dpi=110)
   plt.close(fig)
 
 
-def memory(s: dict[str, Any], path: str) -> None:
+def table1(s: dict[str, Any], path: str) -> None:
   plt = _pyplot()
   rows = s['rows']
   fig, ax = plt.subplots(figsize=(6, 3.6))
-  names = [r['name'] for r in rows]
-  ax.bar(names, [r['max_layers'] for r in rows], color='#4C72B0')
+  ax.bar([r['name'] for r in rows], [r['max_layers'] for r in rows],
+         color='#4C72B0')
   for i, r in enumerate(rows):
     ax.text(i, r['max_layers'], str(r['max_layers']), ha='center',
             va='bottom', fontsize=9)
   ax.set_ylabel('largest trainable layers')
-  ax.set_title(f'Largest model within {s["budget_mib"]:g} MiB per device',
-               fontsize=10)
+  ax.set_title(f'Largest model within {s["budget_mib"]:g} MiB per process '
+               '(TF allocator limit)', fontsize=10)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+
+
+def schedules(s: dict[str, Any], path: str) -> None:
+  """Activation peak of the fuller stage vs M, measured and simulated."""
+  plt = _pyplot()
+  fig, ax = plt.subplots(figsize=(6, 3.6))
+  for schedule, recompute in (('gpipe', 'never'), ('1f1b', 'never'),
+                              ('gpipe', 'always')):
+    sel = [r for r in s['memory'] if (r['schedule'], r['recompute']) ==
+           (schedule, recompute)]
+    ms = sorted({r['M'] for r in sel})
+    peak = [max(r['activation_mib'] for r in sel if r['M'] == m) for m in ms]
+    sim = [max(r['predicted_mib'] for r in sel if r['M'] == m) for m in ms]
+    line = ax.plot(ms, peak, 'o-', label=f'{schedule}, recompute '
+                   f'{recompute}')[0]
+    ax.plot(ms, sim, 's--', color=line.get_color(), alpha=0.6,
+            label='simulated')
+  ax.set_xlabel('micro-batches M (fixed micro-batch size)')
+  ax.set_ylabel('activation peak, fuller stage (MiB)')
+  ax.set_title('Activation memory per stage process, K=2', fontsize=10)
+  ax.grid(alpha=0.3)
+  ax.legend(fontsize=7)
   fig.tight_layout()
   fig.savefig(path, dpi=110)
   plt.close(fig)
@@ -80,9 +88,9 @@ def memory(s: dict[str, Any], path: str) -> None:
 def write_all(out_dir: str, results: dict[str, Any]) -> list[str]:
   """Writes the plot of every section present; returns the paths."""
   written = []
-  for key, fn, name in (('throughput', throughput, THROUGHPUT_PNG),
-                        ('fidelity', fidelity, FIDELITY_PNG),
-                        ('memory', memory, MEMORY_PNG)):
+  for key, fn, name in (('fidelity', fidelity, FIDELITY_PNG),
+                        ('table1', table1, TABLE1_PNG),
+                        ('schedules', schedules, SCHEDULES_PNG)):
     if key in results:
       path = os.path.join(out_dir, name)
       try:

@@ -91,9 +91,12 @@ def section_header(section: dict[str, Any]) -> str:
   m = section.get('machine', {})
   sizes = ('TINY sizes (smoke test: the numbers mean nothing)'
            if section.get('tiny') else 'full sizes')
+  load = section.get('load')
+  load_text = (f'; load average {load[0]:.1f} before, {load[1]:.1f} after '
+               f'({m.get("cores", "?")} cores)' if load else '')
   return (f'_Measured {m.get("date", "?")} with `{section.get("command")}` '
           f'in {section.get("seconds", 0):.0f} s on '
-          f'{section.get("devices")}; {sizes}._')
+          f'{section.get("devices")}; {sizes}{load_text}._')
 
 
 def render(results: dict[str, Any],
@@ -113,7 +116,7 @@ def render(results: dict[str, Any],
       f'{m.get("tensorflow")}, Python {m.get("python")}; {m.get("date")}',
       f'- TF_ENABLE_ONEDNN_OPTS: {m.get("onednn", "?")}; CPU allocator: '
       f'{m.get("cpu_allocator", "?")} (set by benchmark.py so that the '
-      'memory section reads allocator statistics on every CPU)',
+      'memory figures read allocator statistics on every CPU)',
       f'- Command: `{run.get("command", "?")}`',
       f'- Total run time: {run.get("seconds", 0):.0f} s',
       '',

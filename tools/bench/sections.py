@@ -1,4 +1,4 @@
-"""The sub-commands: which devices each needs, and where its results go."""
+"""The sub-commands, in report order, and where their results go."""
 
 from __future__ import annotations
 
@@ -6,44 +6,59 @@ import argparse
 from typing import Any
 
 from bench import common
+from bench import efficiency
 from bench import fidelity
-from bench import memory
 from bench import overheads
+from bench import overlap
+from bench import partition_bench
+from bench import peer
 from bench import plots
 from bench import report
-from bench import throughput
+from bench import schedules
+from bench import table1
 from bench import timeline_bench
 
-# name: (title, number of stage devices, module with run and render).
+# name: (title, module with run(args) and render(section)).
 _SECTIONS = {
-    'throughput': ('Throughput (GPipe Table 2)', 2, throughput),
-    'memory': ('Memory (GPipe Table 1)', 0, memory),
-    'overheads': ('Overheads', 1, overheads),
-    'fidelity': ('Simulator fidelity', 2, fidelity),
-    'timeline': ('Timeline of a K=2, M=4 step', 2, timeline_bench),
+    'efficiency': ('Issue 9 — efficiency of K=2 stage processes, and data '
+                   'parallelism (GPipe Table 2)', efficiency),
+    'overlap': ('Issue 9 — overlap of K=3 and K=4 stage processes', overlap),
+    'table1': ('Issue 9 — largest trainable model per memory budget, '
+               'measured (GPipe Table 1)', table1),
+    'peer': ('Issue 9 — peer: torch.distributed.pipelining', peer),
+    'schedules': ('Issue 10 — schedules: activation memory and step time '
+                  '(1F1B vs GPipe)', schedules),
+    'fidelity': ('Issue 10 — simulator fidelity', fidelity),
+    'partition': ('Issue 10 — profile-driven partitioning', partition_bench),
+    'overheads': ('Issue 10 — overheads and tracing time', overheads),
+    'timeline': ('Issue 10 — timelines of one step per schedule',
+                 timeline_bench),
 }
 NAMES = tuple(_SECTIONS)
+TITLES = tuple(title for title, _ in _SECTIONS.values())
+# Where a section ran, unless it says so itself: most start stage processes.
+_DEVICES = {'partition': 'this process (single-threaded TF; each stage\'s '
+                         'layers timed alone, by CPU time)'}
+_STAGE_PROCESSES = ('stage processes started by `lingvo_pipe.launch` (one '
+                    'per stage and replica, task i pinned to core i mod 2)')
 
 
 def run_section(args: argparse.Namespace) -> dict[str, Any]:
-  """Runs one sub-command on its devices; returns its JSON section."""
-  _, num_devices, module = _SECTIONS[args.command]
-  if not num_devices:  # Memory: logical devices of this process, always.
-    return module.run(args, [])
-  with common.stage_devices(num_devices, args.devices) as devices:
-    return module.run(args, devices)
+  """Runs one sub-command; returns its JSON section."""
+  return _SECTIONS[args.command][1].run(args)
 
 
 def store(out_dir: str, name: str, section: dict[str, Any], command: str,
-          seconds: float, args: argparse.Namespace) -> None:
-  """Merges `section` into the JSON and re-renders the report."""
+          seconds: float, args: argparse.Namespace,
+          load: tuple[float, float]) -> None:
+  """Merges `section` into the JSON and re-renders the report.
+
+  `load`: the 1-minute load average before and after the section ran.
+  """
   results = report.load(out_dir)
+  section.setdefault('devices', _DEVICES.get(name, _STAGE_PROCESSES))
   section.update(command=command, seconds=seconds, machine=report.machine(),
-                 tiny=bool(args.tiny),
-                 devices=('logical CPU devices of one process'
-                          if args.devices == 'logical' or name == 'memory'
-                          else 'stage 0 on the benchmark process pinned to core 0, each '
-                          'further stage on a single-core TF worker process'))
+                 tiny=bool(args.tiny), load=list(load))
   results[name] = section
   results['run'] = {'command': command, 'seconds': seconds,
                     'machine': section['machine']}
@@ -59,10 +74,12 @@ def finish(out_dir: str, command: str, seconds: float) -> None:
 
 
 def _write(out_dir: str, results: dict[str, Any]) -> None:
+  for stale in [k for k in results if k not in _SECTIONS and k != 'run']:
+    del results[stale]  # Sections this version no longer has.
   report.save(out_dir, results)
   plots.write_all(out_dir, results)
   text = report.render(results, [(name, title, module.render)
-                                 for name, (title, _, module)
+                                 for name, (title, module)
                                  in _SECTIONS.items()])
   path = report.write_markdown(out_dir, text)
   common.log(f'wrote {path}')

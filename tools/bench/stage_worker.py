@@ -1,0 +1,239 @@
+"""One stage process of a benchmark run (started by `stage_procs.launch`).
+
+    python -m lingvo_pipe.launch --num_stages=K --num_replicas=R \\
+        --worker=tools/bench/stage_worker.py -- --spec=run/spec.json \\
+        --out_dir=run/
+
+Every task of the run reads the same spec (JSON, written by
+`stage_procs.py`): a list of configurations, each a training step of an FC
+stack (FPropLoss of a PipeliningLayer + SGD in one `tf.function`, or a
+hand-written tape step), and how to time them. A configuration is either
+
+* `scope: "run"` — built after `placement.use(peers)`: a pipeline of K
+  stages × R replicas over every task of the run (K·R = #tasks);
+* `scope: "local"` — built before it: an ordinary one-process step, run
+  only by the tasks listed in `tasks` (the others wait at the barrier).
+  That is how one run holds both a K=1 reference and the ceiling C
+  ("alone" = one task runs it, "together" = both run it at once).
+
+Configurations are timed in alternation, a barrier of every task before
+each one, so the neighbours' load hits every configuration alike. Each
+task writes `task<i>.json`: wall seconds per timed step, the engine's
+timeline of `record` recorded steps (absolute `tf.timestamp` seconds:
+comparable across the processes of one host), TF's allocator peak over one
+step and the bytes in use before it (TF_CPU_ALLOCATOR_USE_BFC=true, set by
+the harness before TF starts; TF_CPU_BFC_MEM_LIMIT_IN_MB caps it), peak
+RSS, and the simulator's prediction of each device's activation peak.
+A step that runs out of memory ends the task with `"oom": true` written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import sys
+import time
+from typing import Any, Callable
+
+from absl import app
+from absl import flags
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(
+    __file__))))  # tools/: the bench package.
+
+from lingvo_pipe.pipeline import processes  # pylint: disable=C0413
+
+processes.define_flags()
+_SPEC = flags.DEFINE_string('spec', '', 'The run\'s JSON spec.')
+_OUT_DIR = flags.DEFINE_string('out_dir', '', 'Where task<i>.json goes.')
+
+LEARNING_RATE = 1e-6  # Tiny SGD steps: the weights (and timings) stay put.
+
+
+def _loss_fn(tf: Any) -> Callable[[Any, Any], dict[str, Any]]:
+  def loss_fn(y: Any, labels: Any) -> dict[str, Any]:
+    del labels  # The square loss needs none; the engine still splits them.
+    n = tf.cast(tf.shape(y)[0], y.dtype)
+    return {'loss': (tf.reduce_sum(tf.square(y)) / n, n)}
+  return loss_fn
+
+
+def _build(tf: Any, cfg: dict[str, Any], peers: Any) -> Any:
+  """The PipeliningLayer of one configuration."""
+  from bench import common  # pylint: disable=g-import-not-at-top
+  from lingvo_pipe.core import gpipe  # pylint: disable=g-import-not-at-top
+  spec = common.NetSpec(*cfg['net'])
+  p = gpipe.PipeliningLayer.Params().Set(
+      name='net', layers=spec.layer_params(), num_stages=cfg['K'],
+      num_micro_batches=cfg['M'], input_shapes=[[spec.batch, spec.width]],
+      schedule=cfg.get('schedule', 'gpipe'),
+      recompute=cfg.get('recompute', 'always'),
+      virtual_stages_per_device=cfg.get('chunks', 2))
+  if cfg['scope'] == 'local':
+    p.devices = [peers.device] * cfg['K']
+  return p.Instantiate()
+
+
+def _inputs(tf: Any, cfg: dict[str, Any], peers: Any, replica: int) -> Any:
+  width, batch = cfg['net'][1], cfg['net'][2]
+  with tf.device(peers.device):
+    x = tf.Variable(tf.random.stateless_normal(
+        [batch, width], seed=[7 + replica, 0]), trainable=False)
+    labels = tf.Variable(tf.zeros([batch]), trainable=False)
+  return x, labels
+
+
+def _sgd(tf: Any, variables: list[Any], grads: list[Any]) -> list[Any]:
+  return [v.assign_sub(LEARNING_RATE * g) for v, g in zip(variables, grads)
+          if g is not None]
+
+
+def _step_fn(tf: Any, cfg: dict[str, Any], net: Any, x: Any,
+             labels: Any) -> Callable[[], Any]:
+  """The training step: FPropLoss (or a plain tape step) + SGD."""
+  from lingvo_pipe.core import fprop_context  # pylint: disable=C0415
+  variables = list(net.trainable_variables)
+
+  @tf.function(autograph=False)
+  def step() -> Any:
+    with tf.GradientTape() as tape:
+      with fprop_context.scope(training=True, step=0):
+        if cfg.get('kind') == 'hand':  # No pipeline, no recompute.
+          y = x
+          for layer in net.children.layers:
+            y = layer.FProp(layer.theta, y)
+          loss = _loss_fn(tf)(y, labels)['loss'][0]
+        else:
+          loss = net.FPropLoss(net.theta, (x,), labels,
+                               _loss_fn(tf))['loss'][0]
+    updates = _sgd(tf, variables, tape.gradient(loss, variables))
+    with tf.control_dependencies(updates):
+      return tf.identity(loss)
+
+  return step
+
+
+def _peak_rss_bytes() -> int:
+  return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+class _Config:
+  """One configuration as this task runs it."""
+
+  def __init__(self, tf: Any, cfg: dict[str, Any], peers: Any,
+               replica: int) -> None:
+    self.cfg = cfg
+    self.net = _build(tf, cfg, peers)
+    x, labels = _inputs(tf, cfg, peers, replica)
+    self.step = _step_fn(tf, cfg, self.net, x, labels)
+    self.recorder = None
+    if cfg.get('kind') != 'hand':
+      from lingvo_pipe.pipeline import timeline  # pylint: disable=C0415
+      self.recorder = timeline.StepRecorder(
+          self.net, (x,), _loss_fn(tf), labels=labels, normalize=False,
+          update=lambda v, g: _sgd(tf, v, g))
+    self.result: dict[str, Any] = {'name': cfg['name'], 'times_s': [],
+                                   'records': [], 'first_call_s': None}
+
+  def first_call(self, tf: Any) -> None:
+    start = time.perf_counter()
+    self.step().numpy()
+    self.result['first_call_s'] = time.perf_counter() - start
+
+  def timed_call(self) -> None:
+    start = time.perf_counter()
+    self.step().numpy()
+    self.result['times_s'].append(time.perf_counter() - start)
+
+  def record(self) -> None:
+    if self.recorder is not None:
+      self.result['records'].append([list(r) for r in self.recorder()])
+
+  def memory(self, tf: Any) -> None:
+    """Allocator bytes in use before one step and its peak; the simulator's
+    activation peak of each device."""
+    tf.config.experimental.reset_memory_stats('CPU:0')
+    before = tf.config.experimental.get_memory_info('CPU:0')['current']
+    self.step().numpy()
+    info = tf.config.experimental.get_memory_info('CPU:0')
+    self.result['memory'] = {
+        'before_bytes': before, 'peak_bytes': info['peak'],
+        'param_bytes': sum(int(v.shape.num_elements()) * 4
+                           for v in self.net.trainable_variables)}
+    if self.cfg.get('kind') != 'hand':
+      sim = self.net.Simulate(schedule=self.cfg.get('schedule', 'gpipe'))
+      self.result['memory']['sim_peak_activation_bytes'] = list(
+          sim.peak_activation_bytes)
+
+
+def _run(tf: Any, spec: dict[str, Any], peers: Any, out: dict[str, Any]
+         ) -> None:
+  from lingvo_pipe.pipeline import placement  # pylint: disable=C0415
+  configs: list[tuple[_Config | None, dict[str, Any]]] = []
+  for cfg in spec['configs']:  # Local ones first: before placement.use.
+    if cfg['scope'] == 'local':
+      mine = peers.task in cfg.get('tasks', [0])
+      configs.append((_Config(tf, cfg, peers, 0) if mine else None, cfg))
+  placement.use(peers)
+  for cfg in spec['configs']:
+    if cfg['scope'] == 'run':
+      # Replica r of a K-stage config: tasks r·K … r·K+K−1.
+      configs.append((_Config(tf, cfg, peers, peers.task // cfg['K']), cfg))
+  out['configs'] = []
+
+  def _each(what: Callable[[_Config], None], tag: str) -> None:
+    for i, (config, cfg) in enumerate(configs):
+      peers.barrier(key=('bench', tag, i))
+      if config is not None:
+        what(config)
+
+  _each(lambda c: c.first_call(tf), 'first')
+  for w in range(spec.get('warmup', 1)):
+    _each(lambda c: c.timed_call(), f'warm{w}')
+  for c, _ in configs:
+    if c is not None:
+      c.result['times_s'].clear()
+  for r in range(spec.get('reps', 3)):
+    _each(lambda c: c.timed_call(), f'rep{r}')
+  if spec.get('record', 0):
+    _each(lambda c: c.record(), 'trace_timed')  # Traces; dropped below.
+    for c, _ in configs:
+      if c is not None:
+        c.result['records'].clear()
+    for r in range(spec['record']):
+      _each(lambda c: c.record(), f'record{r}')
+  if spec.get('memory'):
+    _each(lambda c: c.memory(tf), 'memory')
+  out['configs'] = [c.result for c, _ in configs if c is not None]
+  peers.barrier(key=('bench', 'done'))
+
+
+def main(argv: list[str]) -> None:
+  del argv
+  with open(_SPEC.value) as f:
+    spec = json.load(f)
+  out: dict[str, Any] = {}
+  path = None
+  with processes.start_from_flags() as peers:
+    import tensorflow as tf  # pylint: disable=g-import-not-at-top
+    from bench import common  # pylint: disable=g-import-not-at-top
+    common.fix_recompute_records()
+    path = os.path.join(_OUT_DIR.value, f'task{peers.task}.json')
+    out.update(task=peers.task, num_tasks=peers.num_tasks, pid=os.getpid(),
+               cores=sorted(os.sched_getaffinity(0)))
+    try:
+      _run(tf, spec, peers, out)
+    except tf.errors.ResourceExhaustedError as e:
+      out.update(oom=True, error=str(e).splitlines()[0][:300],
+                 peak_rss_bytes=_peak_rss_bytes())
+      with open(path, 'w') as f:
+        json.dump(out, f)
+      os._exit(3)  # pylint: disable=protected-access  # Peers may hang.
+  out['peak_rss_bytes'] = _peak_rss_bytes()
+  with open(path, 'w') as f:
+    json.dump(out, f)
+
+
+if __name__ == '__main__':
+  app.run(main)
