@@ -1,4 +1,4 @@
-"""The console scripts: `lingvo_pipe_trainer`, `_evaler`, `_launch`,
+"""The console scripts: `lingvo_pipe_trainer`, `_evaler`, `_worker`, `_launch`,
 `_prepare_data`.
 
 Each imports TensorFlow first, quietly (`_startup.import_tensorflow`), then
@@ -38,6 +38,12 @@ def evaler() -> None:
   """`lingvo_pipe_evaler`: see lingvo_pipe/evaler.py."""
   _start('evaler', _signals.EVALER)
   importlib.import_module('lingvo_pipe.evaler').run()
+
+
+def worker() -> None:
+  """`lingvo_pipe_worker`: see lingvo_pipe/worker.py."""
+  _start('worker', _signals.STARTUP)
+  importlib.import_module('lingvo_pipe.worker').run()
 
 
 def launch() -> None:

@@ -1,7 +1,7 @@
 """Starts every stage process of a run on this host, and stops them all.
 
     python -m lingvo_pipe.launch --num_stages=2 --num_replicas=1 -- \\
-        --model=mnist.MnistConvPipe --logdir=/tmp/run
+        --model=image.fashion_mnist.AmoebaNetGPipe --logdir=/tmp/run
 
 runs `python -m lingvo_pipe.worker <flags after --> --cluster_spec=worker=
 127.0.0.1:p0,... --task=i` for i in 0..K·R−1, on free ports of 127.0.0.1

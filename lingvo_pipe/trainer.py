@@ -55,16 +55,22 @@ import tensorflow as tf
 from lingvo_pipe.core import base_input_generator
 from lingvo_pipe.core import base_model
 from lingvo_pipe.core import checkpoints
+from lingvo_pipe.core import cluster_share
 from lingvo_pipe.pipeline import devices
 from lingvo_pipe.core import fprop_context
 from lingvo_pipe.core import learning_rate
 from lingvo_pipe.core import model_registry
 from lingvo_pipe.core import optimizer
 from lingvo_pipe.core import preflight
+from lingvo_pipe.core import progress as progress_lib
 from lingvo_pipe.core import run_summaries
 from lingvo_pipe.core import step_timeline
 from lingvo_pipe.core import summaries
 from lingvo_pipe.core.hyperparams import Params
+from lingvo_pipe.pipeline import placement
+from lingvo_pipe.pipeline import processes
+
+processes.define_flags()  # --cluster_spec, --job, --task: see worker.py.
 
 _MODEL = flags.DEFINE_string(
     'model', '', 'The model: a registered name under lingvo_pipe.params, '
@@ -107,8 +113,6 @@ _TIMELINE_STEPS = flags.DEFINE_list(
     'step_<s>.trace.json (chrome://tracing) and step_<s>.png (needs '
     'lingvo_pipe[plots]).')
 
-_PROGRESS_SECS = 5.0
-
 
 class Trainer:
   """Holds the task, optimizer, global step and checkpoint of one run."""
@@ -126,10 +130,12 @@ class Trainer:
                               name='global_step')
     self._ckpt = tf.train.Checkpoint(step=self.step, task=self.task,
                                      optimizer=self._opt)
+    self.share = cluster_share.Share.of(self.task)
     # What a save writes: checked finite after every update.
     self._saved_vars = list(self.task.variables) + list(self._opt.variables)
     self._logdir = logdir
-    self._manager: tf.train.CheckpointManager | None = None
+    self._restored = False
+    self._latest: str | None = None
     # No AutoGraph: FProps are graph code already (tf.cond, tf.while_loop),
     # and converting the pipeline's Python makes tracing ~3x slower.
     self._step_fn = tf.function(self._train_step, autograph=False)
@@ -139,37 +145,49 @@ class Trainer:
     self.stop_reason = ''  # Set (by a signal handler) to stop after a step.
 
   def restore(self) -> int:
-    """Opens the checkpoint manager, restores the latest checkpoint if any.
-
-    Reads the logdir, writes nothing.
+    """Restores the latest checkpoint, if any (whole or sharded, written by
+    any number of stage processes). Reads the logdir, writes nothing.
 
     Raises:
       checkpoints.CheckpointError: the state file or the latest checkpoint
         is damaged or missing (TensorFlow would start from step 0).
     """
-    checkpoints.read_state(self._logdir)  # TF ignores a damaged one.
-    self._manager = tf.train.CheckpointManager(
-        self._ckpt, self._logdir, self._train.max_checkpoints_to_keep,
-        checkpoint_name=checkpoints.CHECKPOINT_PREFIX)
-    latest = self._manager.latest_checkpoint
-    if latest:
-      if not checkpoints.restore(self._ckpt, latest):
+    listed = checkpoints.list_checkpoints(self._logdir)  # Refuses damage.
+    self._restored = True
+    if listed:
+      latest = listed[-1]
+      if not checkpoints.restore(self._ckpt, latest,
+                                 partial=self.share.multi_process):
         raise checkpoints.CheckpointError(
             f'{latest} is the latest checkpoint in '
             f'{os.path.join(self._logdir, checkpoints.STATE_FILE)} but its '
             f'files are gone; {checkpoints.state_fix(self._logdir)}')
+      self._latest = latest
       logging.info('Restored %s (step %d).', latest, int(self.step.numpy()))
     return int(self.step.numpy())
 
   def save(self) -> str:
-    if self._manager is None:
+    """Writes a checkpoint of this step: each stage process of replica 0
+    its shard; once all are written, the chief lists it and deletes the
+    ones beyond task.train.max_checkpoints_to_keep."""
+    if not self._restored:
       raise RuntimeError('Trainer.save() before restore(): call restore() '
-                         'first; it opens the checkpoint manager.')
-    return self._manager.save(checkpoint_number=int(self.step.numpy()))
+                         'first; it reads the logdir\'s checkpoints.')
+    share, step = self.share, int(self.step.numpy())
+    path = os.path.join(self._logdir, f'{checkpoints.CHECKPOINT_PREFIX}-{step}')
+    if share.writes_shard:
+      checkpoints.save(self._ckpt, self._logdir, step, share.stage,
+                       share.num_stages)
+    share.barrier('save')  # Every shard is on disk.
+    if share.is_chief:
+      checkpoints.commit(self._logdir, path,
+                         self._train.max_checkpoints_to_keep)
+    self._latest = path
+    return path
 
   @property
   def latest_checkpoint(self) -> str | None:
-    return self._manager.latest_checkpoint if self._manager else None
+    return self._latest
 
   def _train_step(self, batch: base_model.NestedMap,
                   timeline: list | None = None):
@@ -184,6 +202,7 @@ class Trainer:
     """
     train, variables = self._train, self._vars
     step = self.step.read_value()
+    batch = self.share.replica_batch(batch)  # The global batch's slice.
     collector = fprop_context.StatsCollector()
     with fprop_context.scope(training=True, step=step, stats=collector,
                              timeline=timeline):
@@ -194,7 +213,8 @@ class Trainer:
           loss += train.weight_decay * 0.5 * tf.add_n(
               [tf.reduce_sum(tf.square(v)) for v in variables])
       grads = tape.gradient(loss, variables)
-    norm = tf.linalg.global_norm([g for g in grads if g is not None])
+    norm = self.share.global_norm(  # Every stage's, in every process.
+        tf.linalg.global_norm([g for g in grads if g is not None]))
     finite = tf.logical_and(tf.math.is_finite(loss), tf.math.is_finite(norm))
     if train.clip_gradient_norm > 0:
       grads, _ = tf.clip_by_global_norm(grads, train.clip_gradient_norm,
@@ -209,6 +229,10 @@ class Trainer:
       return tf.where(checkpoints.all_finite(self._saved_vars), 0, 2)
 
     status = tf.cond(finite, _apply, lambda: tf.constant(1))
+    # Agreed by every process: the loss and norm are already; the weights'
+    # finiteness is checked where they live.
+    status = tf.where(self.share.any_task(tf.equal(status, 2), 'weights'),
+                      2, status)
     return metrics, norm, status, lr
 
   def train(self, generator: base_input_generator.BaseInputGenerator,
@@ -223,8 +247,8 @@ class Trainer:
     deadline = time.time() + 60 * max_minutes if max_minutes > 0 else None
     start = int(self.step.numpy())
     batch_size = generator.params.batch_size
-    progress = _Progress(train.max_steps, batch_size)
-    rate = _Rate(batch_size)
+    progress = progress_lib.Progress(train.max_steps, batch_size)
+    rate = progress_lib.Rate(batch_size)
     for batch in generator.TrainDataset(start):
       s = int(self.step.numpy())
       done = s + 1
@@ -240,7 +264,8 @@ class Trainer:
       if done == start + 1:
         logging.info('Traced and ran the first step.')
         rate.examples_per_sec(done)  # Starts the clock after tracing.
-      progress.update(done, float(metrics['loss'][0]))
+      if self.share.is_chief:
+        progress.update(done, float(metrics['loss'][0]))
       if done % train.summary_interval_steps == 0 or done == train.max_steps:
         self._write_summaries(writer, done, metrics, norm, lr,
                               rate.examples_per_sec(done))
@@ -250,14 +275,20 @@ class Trainer:
       if saved:
         logging.info('Saved %s.', self.save())
       # Read after the save: a signal during it stops here, not a step later.
-      if done >= train.max_steps or self.stop_reason:
+      # Every process stops after the same step (a signal or a deadline may
+      # reach them a step apart): the stop is agreed.
+      stop = self.share.agree_to_stop(bool(self.stop_reason))
+      if stop and not self.stop_reason:
+        self.stop_reason = 'another task of the run is stopping'
+      if done >= train.max_steps or stop:
         if not saved:
           logging.info('Saved %s.', self.save())
         if self.stop_reason and done < train.max_steps:
           logging.info('Stopped at step %d of %d (%s); run again to '
                        'continue.', done, train.max_steps, self.stop_reason)
         break
-    progress.log(overall=True)
+    if self.share.is_chief:
+      progress.log(overall=True)
 
   def _write_summaries(self, writer, step, metrics, norm, lr,
                        examples_per_sec: float) -> None:
@@ -287,61 +318,6 @@ class Trainer:
                     'e.g. %s; nothing saved; %s. %s', step, float(lr),
                     float(norm), len(bad), bad[:3], kept_text, fix)
     raise _cli.RunStopped(exit_code=1)
-
-
-class _Rate:
-  """Examples per second since the previous call (the first step, which
-  includes tracing the step function, is not timed)."""
-
-  def __init__(self, batch_size: int) -> None:
-    self._batch = batch_size
-    self._mark: tuple[float, int] | None = None
-
-  def examples_per_sec(self, step: int) -> float:
-    now = time.monotonic()
-    if self._mark is None or now <= self._mark[0] or step <= self._mark[1]:
-      rate = 0.0
-    else:
-      rate = (step - self._mark[1]) * self._batch / (now - self._mark[0])
-    self._mark = (now, step)
-    return rate
-
-
-class _Progress:
-  """A console line every few seconds: step, loss, examples/s, ETA."""
-
-  def __init__(self, max_steps: int, batch_size: int) -> None:
-    self._max = max_steps
-    self._rate = _Rate(batch_size)
-    self._steps_per_sec = 0.0
-    self._batch = batch_size
-    self._step, self._loss = 0, float('nan')
-    self._last_log: float | None = None
-    self._first: tuple[float, int] = (0.0, 0)
-
-  def update(self, step: int, loss: float) -> None:
-    self._step, self._loss = step, loss
-    now = time.monotonic()
-    if self._last_log is None:  # First step: starts the clock.
-      self._rate.examples_per_sec(step)
-      self._last_log, self._first = now, (now, step)
-      self.log()
-    elif now - self._last_log >= _PROGRESS_SECS:
-      self._steps_per_sec = self._rate.examples_per_sec(step) / self._batch
-      self._last_log = now
-      self.log()
-
-  def log(self, overall: bool = False) -> None:
-    """Logs the progress line; `overall`: the rate since the first step."""
-    elapsed = time.monotonic() - self._first[0]
-    if overall and elapsed > 0 and self._step > self._first[1]:
-      self._steps_per_sec = (self._step - self._first[1]) / elapsed
-    left = self._max - self._step
-    eta = (time.strftime('%H:%M:%S', time.gmtime(left / self._steps_per_sec))
-           if self._steps_per_sec > 0 else '?')
-    logging.info('step %d/%d  loss %.5g  %.0f examples/s  ETA %s',
-                 self._step, self._max, self._loss,
-                 self._steps_per_sec * self._batch, eta)
 
 
 def build_params() -> Params:
@@ -426,6 +402,11 @@ def _prepare(params: Params, logdir: str):
   dataset = generator.TrainDataset(0)  # Builds (lazily): checks batch size.
   # Partition, devices, FPropMeta shapes.
   trainer = Trainer(params, logdir, _timeline_steps())
+  trainer.share.check_batch_size(params.input.batch_size, 'input')
+  if trainer.share.multi_process and _TIMELINE_STEPS.value:
+    raise _cli.UserError('--timeline_steps records one process\'s step; in a '
+                         'multi-process run use tools/benchmark.py '
+                         'timeline, or run this model in one process.')
   preflight.check_train_batches(trainer.task, generator, dataset.element_spec)
   return trainer, generator
 
@@ -434,7 +415,16 @@ def _main(argv: list[str]) -> None:
   if len(argv) > 1:
     raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
   with _cli.exit_on_user_error('trainer'):
-    devices.configure_logical_cpus(_NUM_CPUS.value)  # Before any TF op.
+    cluster = processes.cluster_from(flags.FLAGS.cluster_spec,
+                                     flags.FLAGS.job, flags.FLAGS.task)
+    if cluster is None or _MODE.value != 'train':
+      devices.configure_logical_cpus(_NUM_CPUS.value)  # Before any TF op.
+      runtime = processes.start(None)
+    else:  # One task of a multi-process run: its server and peers first.
+      runtime = processes.start(
+          cluster, collective_timeout_s=flags.FLAGS.collective_timeout_secs,
+          peer_timeout_s=flags.FLAGS.peer_timeout_secs)
+      placement.use(runtime.peers)
     if _DETERMINISTIC.value:
       tf.config.experimental.enable_op_determinism()
     params = build_params()
@@ -442,23 +432,36 @@ def _main(argv: list[str]) -> None:
       print(params.ToText(), end='')
       print(_inspect(params))
       return
-    logdir = _LOGDIR.value
-    trainer, generator = _prepare(params, logdir)
-    start = trainer.restore()  # Reads only: damage is refused here.
-    # Everything is valid: only now touch the logdir.
+    with runtime:  # A dead peer: one line naming it, then exit.
+      _train(params, _LOGDIR.value)
+
+
+def _train(params: Params, logdir: str) -> None:
+  """Checks, restores, then trains (in this task of the run)."""
+  trainer, generator = _prepare(params, logdir)
+  share = trainer.share
+  start = trainer.restore()  # Reads only: damage is refused here.
+  if share.is_chief:  # Everything is valid: only now touch the logdir.
     _cli.create_logdir(logdir, params.ToText())
-  for path in checkpoints.remove_temp_dirs(logdir):
-    logging.info('Removed %s, left by a save that was killed.', path)
+    for path in checkpoints.remove_temp_dirs(logdir):
+      logging.info('Removed %s, left by a save that was killed.', path)
+    for path in checkpoints.remove_unlisted(logdir):
+      logging.info('Removed %s, written by a save that was killed before it '
+                   'was listed.', path)
   if start >= params.task.train.max_steps:
     logging.info('Already at step %d ≥ max_steps %d: nothing to do.', start,
                  params.task.train.max_steps)
     return
-  writer = _cli.summary_writer(logdir, 'train')
-  run_summaries.write_run_description(logdir, writer, start, params,
-                                      trainer.task)
+  if share.multi_process:
+    logging.info('This process is %s.', share.describe())
+  if share.is_chief:
+    writer = _cli.summary_writer(logdir, 'train')
+    run_summaries.write_run_description(logdir, writer, start, params,
+                                        trainer.task)
+  else:
+    writer = tf.summary.create_noop_writer()
   _signals.stop_after_step(trainer)
-  with _cli.exit_on_user_error('trainer'):
-    trainer.train(generator, writer, _MAX_MINUTES.value)
+  trainer.train(generator, writer, _MAX_MINUTES.value)
   writer.close()
 
 

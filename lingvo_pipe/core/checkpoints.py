@@ -1,11 +1,20 @@
 """Which checkpoints of a logdir are complete, readable and finite.
 
-The trainer saves through `tf.train.CheckpointManager`, which writes a
-checkpoint's files first and only then rewrites the `checkpoint` state file
-(atomically) to list it. A reader that takes its list from the state file,
-never from the files it sees on disk, therefore never opens a checkpoint that
-is still being written. The trainer names checkpoints `ckpt-<step>`, so the
-step is known without opening one.
+The trainer writes a checkpoint's files first (`save`) and only then
+rewrites the `checkpoint` state file (atomically) to list it (`commit`), as
+`tf.train.CheckpointManager` does. A reader that takes its list from the
+state file, never from the files it sees on disk, therefore never opens a
+checkpoint that is still being written. The trainer names checkpoints
+`ckpt-<step>`, so the step is known without opening one.
+
+A run of K stage processes writes checkpoint `ckpt-<step>` as K shards,
+`ckpt-<step>.stage<d>of<K>.{index,data-*}`, one per stage, each holding
+that stage's variables (and slots) under the same object paths as a
+whole checkpoint: a variable's key is its layer path, never its stage. The
+chief lists `ckpt-<step>` in the state file once every shard is written.
+`restore` reads either form into any model (one process or K′ stage
+processes), so a run resumes on another K or R, and the evaler reads a
+sharded checkpoint in one process.
 
 What can go wrong on disk, and what the binaries do about it (one line,
 exit status 2, and the fix, via `CheckpointError`):
@@ -44,7 +53,9 @@ from lingvo_pipe import errors
 CHECKPOINT_PREFIX = 'ckpt'
 STATE_FILE = 'checkpoint'
 _STEP = re.compile(r'-(\d+)$')
-_TEMP_DIR = re.compile(rf'^{CHECKPOINT_PREFIX}-\d+_temp')
+_TEMP_DIR = re.compile(rf'^{CHECKPOINT_PREFIX}-\d+(\.stage\d+of\d+)?_temp')
+_SHARD = re.compile(rf'^(?P<base>{CHECKPOINT_PREFIX}-\d+)\.stage(?P<d>\d+)'
+                    r'of(?P<k>\d+)\.index$')
 
 
 class CheckpointError(errors.LingvoPipeError):
@@ -127,9 +138,101 @@ def list_checkpoints(logdir: str) -> list[str]:
   return sorted((p for p in paths if _STEP.search(p)), key=step_of)
 
 
+def shard_prefix(logdir: str, step: int, stage: int, num_stages: int) -> str:
+  """Where stage `stage` of K writes its shard of checkpoint `step`."""
+  return os.path.join(
+      logdir, f'{CHECKPOINT_PREFIX}-{step}.stage{stage}of{num_stages}')
+
+
+def files_of(path: str) -> list[str]:
+  """The prefixes that hold checkpoint `path` (e.g. '/logdir/ckpt-300'):
+  [path] if it was written whole, else its K stage shards; [] if it is not
+  (or not completely) on disk."""
+  if tf.io.gfile.exists(path + '.index'):
+    return [path]
+  logdir, base = os.path.split(path)
+  stages: dict[int, set[int]] = {}
+  for name in _names(logdir):
+    m = _SHARD.match(name)
+    if m and m['base'] == base:
+      stages.setdefault(int(m['k']), set()).add(int(m['d']))
+  for k, found in sorted(stages.items(), reverse=True):
+    if found == set(range(k)):
+      return [shard_prefix(logdir, step_of(path), d, k) for d in range(k)]
+  return []
+
+
 def exists(path: str) -> bool:
   """Whether the files of checkpoint `path` are still on disk."""
-  return tf.io.gfile.exists(path + '.index')
+  return bool(files_of(path))
+
+
+def save(checkpoint: tf.train.Checkpoint, logdir: str, step: int,
+         stage: int = 0, num_stages: int = 1) -> str:
+  """Writes this process's part of checkpoint `step` (not yet listed: see
+  `commit`): the whole checkpoint, or stage `stage`'s shard of K.
+
+  Returns:
+    The checkpoint's path, '<logdir>/ckpt-<step>'.
+  """
+  path = os.path.join(logdir, f'{CHECKPOINT_PREFIX}-{step}')
+  # `restore` creates the checkpoint's save counter in the reader, so the
+  # file must hold one too (`save` would write it; `write` only if it
+  # exists), else a strict restore finds it unmatched.
+  checkpoint.save_counter  # pylint: disable=pointless-statement
+  checkpoint.write(path if num_stages == 1 else
+                   shard_prefix(logdir, step, stage, num_stages))
+  return path
+
+
+def commit(logdir: str, path: str, keep: int) -> list[str]:
+  """Lists `path` as the latest checkpoint in the state file (atomically)
+  and deletes all but the newest `keep`; returns the deleted ones."""
+  listed = [p for p in list_checkpoints(logdir) if step_of(p) < step_of(path)]
+  listed.append(path)
+  kept, dropped = listed[-keep:], listed[:-keep] if keep > 0 else []
+  state = checkpoint_state_pb2.CheckpointState(
+      model_checkpoint_path=os.path.basename(path),
+      all_model_checkpoint_paths=[os.path.basename(p) for p in kept])
+  temp = os.path.join(logdir, f'.{STATE_FILE}.tmp-{os.getpid()}')
+  with open(temp, 'w', encoding='utf-8') as f:
+    f.write(text_format.MessageToString(state))
+    f.flush()
+    os.fsync(f.fileno())
+  os.replace(temp, os.path.join(logdir, STATE_FILE))  # Atomic.
+  for old in dropped:
+    delete(old)
+  return dropped
+
+
+def delete(path: str) -> None:
+  """Deletes every file of checkpoint `path` (whole or sharded)."""
+  logdir, base = os.path.split(path)
+  for name in _names(logdir):
+    if name.startswith(base + '.') and (
+        name[len(base) + 1:].startswith(('index', 'data-', 'stage'))):
+      try:
+        os.remove(os.path.join(logdir, name))
+      except FileNotFoundError:
+        pass  # Another process deleted it first.
+
+
+def remove_unlisted(logdir: str) -> list[str]:
+  """Deletes checkpoint files newer than the latest listed one (a save that
+  was killed before its commit); returns the checkpoints deleted."""
+  listed = list_checkpoints(logdir)
+  if not listed:  # No state file: leave the files for the user to judge.
+    return []
+  newest = step_of(listed[-1])
+  unlisted = set()
+  for name in _names(logdir):
+    base = name.split('.', 1)[0]
+    if (_STEP.search(base) and base.startswith(f'{CHECKPOINT_PREFIX}-') and
+        step_of(base) > newest and '.' in name):
+      unlisted.add(os.path.join(logdir, base))
+  for path in sorted(unlisted):
+    delete(path)
+  return sorted(unlisted)
 
 
 def restore(checkpoint: tf.train.Checkpoint, path: str,
@@ -143,7 +246,9 @@ def restore(checkpoint: tf.train.Checkpoint, path: str,
     checkpoint: What to restore into.
     path: A checkpoint prefix such as '/logdir/ckpt-300'.
     partial: Only `checkpoint`'s objects need to be in the file (the evaler
-      skips the optimizer's slots); else the file must match them exactly.
+      skips the optimizer's slots; a stage process holds one stage); else
+      the file must match them exactly. A sharded checkpoint is always read
+      partially, shard by shard.
 
   Returns:
     False if the checkpoint was deleted before it could be read.
@@ -152,13 +257,20 @@ def restore(checkpoint: tf.train.Checkpoint, path: str,
     CheckpointError: the files are there but cannot be read or do not
       match the model; the message names the file and the fix.
   """
-  if not exists(path):
+  files = files_of(path)
+  if not files:
     return False
   try:
-    status = checkpoint.restore(path)
-    if partial:
-      status.expect_partial()
-    status.assert_existing_objects_matched()
+    if files == [path]:
+      status = checkpoint.restore(path)
+      if partial:
+        status.expect_partial()
+      status.assert_existing_objects_matched()
+    else:  # Stage shards: each holds a part of the model's objects.
+      for shard in files:
+        status = checkpoint.restore(shard)
+        status.expect_partial()
+        status.assert_nontrivial_match()
   except Exception as e:  # pylint: disable=broad-except
     if not exists(path):
       return False  # Deleted while being read.

@@ -212,7 +212,7 @@ class PipeliningLayer(base_layer.BaseLayer):
     m = self._plan.num_micro_batches() or 1
     return {'pipeline/partition_imbalance': self.report.imbalance,
             'pipeline/bubble_fraction':
-                self.report.bubble_fraction(m) / self._plan.num_chunks}
+                self.report.bubble_fraction(m, self._plan.num_chunks)}
 
   # ---- Computing -------------------------------------------------------------
   def _StageFProp(self, s: int, thetas: list[NestedMap],
@@ -265,13 +265,32 @@ class PipeliningLayer(base_layer.BaseLayer):
   def _Schedule(self, inputs: tuple[Any, ...]) -> schedule_lib.Schedule:
     p = self.params
     n = microbatch.batch_size(inputs, p.batch_dim, self.path)
-    m = self._plan.num_micro_batches(n)
+    m = self._ReplicaMicroBatches(n)
     if m not in self._schedules:
       try:
         self._schedules[m] = self._plan.schedule(m)
       except schedule_lib.ScheduleError as e:
         raise PipelineError(f'{self.path}: {e}') from None
     return self._schedules[m]
+
+  def _ReplicaMicroBatches(self, n: Any) -> int | None:
+    """M of this replica's batch of `n` examples.
+
+    num_micro_batches (or micro_batch_size) describes the global batch, so
+    the micro-batches, and with them BatchNorm's statistics, are the same
+    for any number of replicas R: each replica runs M ÷ R of them.
+    """
+    r = self._placement.num_replicas
+    if r == 1 or not isinstance(n, int):
+      return self._plan.num_micro_batches(n)
+    m = self._plan.num_micro_batches(n * r)
+    if m % r:
+      raise PipelineError(
+          f'{self.path}: num_micro_batches={m} (of the global batch of '
+          f'{n * r}) does not split over {r} replicas; use a multiple of '
+          f'{r}, so that each replica runs the same micro-batches as one '
+          'process would.')
+    return m // r
 
   def FProp(self, theta: NestedMap, *inputs: Any) -> Any:
     """Pipelined forward (training) or stage after stage (inference).

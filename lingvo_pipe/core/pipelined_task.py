@@ -77,12 +77,12 @@ class PipelinedTask(base_model.BaseTask):
   @classmethod
   def PipelineInputs(cls, batch: NestedMap) -> tuple[Any, ...]:
     """The pipeline's positional inputs, from the batch."""
-    raise NotImplementedError(f'{type(self).__name__}.PipelineInputs')
+    raise NotImplementedError(f'{cls.__name__}.PipelineInputs')
 
   @classmethod
   def LossInputs(cls, batch: NestedMap) -> NestedMap:
     """The batch fields ComputeLoss reads (each with the batch dim)."""
-    raise NotImplementedError(f'{type(self).__name__}.LossInputs')
+    raise NotImplementedError(f'{cls.__name__}.LossInputs')
 
   def ComputePredictions(self, theta: NestedMap, batch: NestedMap) -> Any:
     return self.children.pipeline.FProp(theta.pipeline,

@@ -287,8 +287,15 @@ def choose_micro_batches(metas: Sequence[Any], boundaries: Sequence[int],
       batch_size < 1):
     raise PreflightError(f'batch_size={batch_size!r} must be an int ≥ 1.')
   num_stages = (len(boundaries) - 1) // kwargs.get('num_chunks', 1)
+  # An interleaved schedule (num_chunks > 1) needs M to be a multiple of K.
+  step = num_stages if kwargs.get('num_chunks', 1) > 1 else 1
   preds = [predict(metas, boundaries, m, **kwargs)
-           for m in range(1, batch_size + 1) if batch_size % m == 0]
+           for m in range(step, batch_size + 1, step) if batch_size % m == 0]
+  if not preds:
+    raise PreflightError(
+        f"num_micro_batches='auto': the batch of {batch_size} has no M that "
+        f'is a multiple of K={num_stages} (interleaved needs one); use a '
+        f'batch size that is a multiple of {num_stages}.')
   fits = [p.num_micro_batches for p in preds if p.peak <= budget_bytes]
   if not fits:
     best = min(preds, key=lambda p: p.peak)

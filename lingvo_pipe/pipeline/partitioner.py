@@ -404,11 +404,17 @@ class PartitionReport:
       return 1.0
     return max(s.cost for s in self.stages) * self.num_stages / self.total_cost
 
-  def bubble_fraction(self, num_micro_batches: int) -> float:
-    """(K-1)/(M+K-1): the idle share of a GPipe step with equal stages."""
-    return bubble_fraction(self.num_stages, num_micro_batches)
+  def bubble_fraction(self, num_micro_batches: int,
+                      num_chunks: int = 1) -> float:
+    """(K-1)/(M+K-1): the idle share of a GPipe step with equal stages;
+    with v = `num_chunks` stages per device (interleaved, K = #stages ÷ v
+    devices), (K-1)/(v·M+K-1): the bubble shrinks by about v."""
+    k = self.num_stages // num_chunks
+    return bubble_fraction(k, num_micro_batches * num_chunks) if (
+        num_chunks > 1) else bubble_fraction(k, num_micro_batches)
 
-  def to_text(self, num_micro_batches: int | None = None) -> str:
+  def to_text(self, num_micro_batches: int | None = None,
+              num_chunks: int = 1) -> str:
     """An aligned table, one row per stage, then imbalance and bubble."""
     named = any(s.first_name is not None for s in self.stages)
     second = self.second
@@ -438,9 +444,11 @@ class PartitionReport:
     if second is not None:
       lines.append(f'imbalance by {label} (max/mean): {second.imbalance:.3f}')
     if num_micro_batches is not None:
-      k, m = self.num_stages, num_micro_batches
-      lines.append(f'bubble (K-1)/(M+K-1) with K={k}, M={m}: '
-                   f'{100 * self.bubble_fraction(m):.1f}%')
+      k, m, v = self.num_stages // num_chunks, num_micro_batches, num_chunks
+      formula = '(K-1)/(M+K-1)' if v == 1 else '(K-1)/(v·M+K-1)'
+      lines.append(f'bubble {formula} with K={k}, M={m}'
+                   f'{f", v={v}" if v > 1 else ""}: '
+                   f'{100 * self.bubble_fraction(m, v):.1f}%')
     return '\n'.join(lines)
 
 

@@ -241,7 +241,8 @@ class Plan:
     p = self.params
     lines = [f'schedule={p.schedule}, recompute={p.recompute}, '
              f'{self.num_devices} devices × {self.num_chunks} chunk(s)',
-             self.report.to_text(num_micro_batches=m)]
+             self.report.to_text(num_micro_batches=m,
+                                 num_chunks=self.num_chunks)]
     if self.cost_unit == 'parameters':
       lines.append('costs: parameter counts (no input_shapes or costs were '
                    'given; set p.input_shapes for FPropMeta flops)')

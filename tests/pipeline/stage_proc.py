@@ -26,7 +26,8 @@ from lingvo_pipe.pipeline import processes  # pylint: disable=g-import-not-at-to
 processes.define_flags()
 _MODEL = flags.DEFINE_string('model', 'nested', 'A pipeline_stacks model.')
 _NUM_STAGES = flags.DEFINE_integer('num_stages', 2, 'K.')
-_M = flags.DEFINE_integer('num_micro_batches', 2, 'M per replica.')
+_M = flags.DEFINE_integer('num_micro_batches', 2, 'M of the global batch '
+                          '(each of R replicas runs M ÷ R).')
 _SCHEDULE = flags.DEFINE_string('schedule', 'gpipe', 'Schedule.')
 _RECOMPUTE = flags.DEFINE_string('recompute', 'always', 'Policy.')
 _OUT = flags.DEFINE_string('out', '', 'Where the JSON goes.')

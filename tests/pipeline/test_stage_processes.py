@@ -55,7 +55,8 @@ def _reference(model, num_stages, num_micro_batches, schedule, recompute):
 
 
 def _run(tmp_path, model, k, r, m, schedule, recompute):
-  flags = [f'--model={model}', f'--num_stages={k}', f'--num_micro_batches={m}',
+  flags = [f'--model={model}', f'--num_stages={k}',
+           f'--num_micro_batches={r * m}',  # Of the global batch.
            f'--schedule={schedule}', f'--recompute={recompute}']
   cluster = runtime_procs.spec(runtime_procs.free_ports(k * r))
   outs = [tmp_path / f'task{t}.json' for t in range(k * r)]

@@ -1,0 +1,168 @@
+"""The trainer on a cluster: K stage processes × R replicas, as a user runs it.
+
+Every run goes through the launcher (`python -m lingvo_pipe.launch`), which
+starts `python -m lingvo_pipe.worker` tasks on free ports of 127.0.0.1. The
+model is the binaries' 2-stage MLP with BatchNorm (Adam, cosine schedule).
+Each test compares the weights and optimizer slots that the checkpoints
+hold, read without building a model, shard by shard.
+"""
+
+import os
+import re
+import signal
+import time
+
+import pytest
+
+import binary_runner as br
+from lingvo_pipe.core import checkpoints
+
+_ARGS = (f'--model={br.MODEL}',
+         f'--model_params_override={br.FAST}; '
+         'task.train.save_interval_steps: 10')
+
+
+def _launch(logdir, steps, num_replicas=1, *extra):
+  return br.start('launch', '--num_stages=2', f'--num_replicas={num_replicas}',
+                  '--', *_ARGS, f'--logdir={logdir}', f'--max_steps={steps}',
+                  *extra)
+
+
+def _train_alone(logdir, steps):
+  rc, _, err = br.run('trainer', *_ARGS, f'--logdir={logdir}',
+                      f'--max_steps={steps}')
+  assert rc == 0, err[-3000:]
+
+
+def _read(path):
+  """{key: value} of checkpoint `path`, whole or from all its shards."""
+  values = {}
+  for part in checkpoints.files_of(str(path)):
+    values.update(br.read_checkpoint(part))
+  assert values, f'no files for {path}'
+  return values
+
+
+def _finished(proc, timeout=300):
+  rc, out, err = br.finish(proc, timeout)
+  assert rc == 0, (out + err)[-4000:]
+  return out + err
+
+
+def test_two_stage_processes_train_like_one_process_and_shard_checkpoints(
+    tmp_path):
+  _train_alone(tmp_path / 'alone', 20)
+  _finished(_launch(tmp_path / 'staged', 20))
+  names = sorted(os.listdir(tmp_path / 'staged'))
+  assert 'ckpt-20.stage0of2.index' in names, names
+  assert 'ckpt-20.stage1of2.index' in names, names
+  assert not any(n.startswith('ckpt-20.index') for n in names), names
+  diff = br.max_relative_diff(_read(tmp_path / 'alone' / 'ckpt-20'),
+                              _read(tmp_path / 'staged' / 'ckpt-20'))
+  assert diff <= 1e-6, diff
+
+  # The evaler reads the shards in one process and scores the same weights.
+  scores = []
+  for run in ('alone', 'staged'):
+    rc, _, err = br.run('evaler', f'--model={br.MODEL}',
+                        f'--logdir={tmp_path / run}', '--eval_dataset=Dev',
+                        '--mode=latest')
+    assert rc == 0, err[-3000:]
+    scores.append(re.search(r'Scored .*ckpt-20 .*loss=([\d.e+-]+)',
+                            err).group(1))
+  assert abs(float(scores[0]) - float(scores[1])) <= 1e-5 * abs(
+      float(scores[0])), scores
+
+
+def test_replicas_resume_a_one_process_checkpoint_and_equal_it(tmp_path):
+  """R=2 × K=2 (4 processes) continues a 1-process run: the same steps."""
+  _train_alone(tmp_path / 'alone', 10)
+  os.rename(tmp_path / 'alone', tmp_path / 'replicas')
+  _finished(_launch(tmp_path / 'replicas', 20, 2))
+  _train_alone(tmp_path / 'reference', 20)
+  diff = br.max_relative_diff(_read(tmp_path / 'reference' / 'ckpt-20'),
+                              _read(tmp_path / 'replicas' / 'ckpt-20'))
+  assert diff <= 1e-5, diff
+  # And a 1-process run resumes the 4-process run's sharded checkpoint.
+  _train_alone(tmp_path / 'replicas', 30)
+  _train_alone(tmp_path / 'reference', 30)
+  diff = br.max_relative_diff(_read(tmp_path / 'reference' / 'ckpt-30'),
+                              _read(tmp_path / 'replicas' / 'ckpt-30'))
+  assert diff <= 1e-5, diff
+
+
+def _pids(proc, count, timeout=120):
+  """The task pids the launcher prints (task 0 first)."""
+  deadline = time.monotonic() + timeout
+  line = ''
+  while time.monotonic() < deadline and 'pids' not in line:
+    line = proc.stdout.readline() or line
+    if proc.poll() is not None:
+      break
+  m = re.search(r'pids ((?:\d+ ?)+)', line)
+  assert m, f'no pids line from the launcher: {line!r}'
+  pids = [int(p) for p in m.group(1).split()]
+  assert len(pids) == count
+  return pids
+
+
+def _alive(pid):
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  try:  # A zombie of a dead child counts as gone.
+    with open(f'/proc/{pid}/stat') as f:
+      return f.read().split(')')[-1].split()[0] != 'Z'
+  except OSError:
+    return False
+
+
+def test_a_sigkilled_worker_ends_the_run_naming_it_and_a_restart_resumes(
+    tmp_path):
+  steps = 400
+  whole = _launch(tmp_path / 'whole', steps)
+  victim = _launch(tmp_path / 'killed', steps)
+  pids = _pids(victim, 2)
+  deadline = time.monotonic() + 240
+  while not checkpoints.list_checkpoints(str(tmp_path / 'killed')):
+    assert time.monotonic() < deadline and victim.poll() is None
+    time.sleep(0.05)
+  time.sleep(0.3)  # Somewhere mid-run, possibly mid-save.
+  os.kill(pids[1], signal.SIGKILL)
+  killed_at = time.monotonic()
+  rc, out, err = br.finish(victim, timeout=120)
+  assert time.monotonic() - killed_at <= 60
+  assert rc != 0
+  text = out + err
+  assert re.search(r'task 1 .*127\.0\.0\.1:\d+', text), text[-3000:]
+  assert 'SIGKILL' in text or 'signal 9' in text or 'killed' in text.lower()
+  assert not any(_alive(p) for p in pids), 'a task was left running'
+  survived = checkpoints.list_checkpoints(str(tmp_path / 'killed'))
+  assert survived and checkpoints.step_of(survived[-1]) < steps
+
+  # The restart (same K) ends with the weights of the uninterrupted run.
+  restart = _finished(_launch(tmp_path / 'killed', steps))
+  assert f'Restored {survived[-1]}' in restart
+  _finished(whole)
+  final = f'ckpt-{steps}'
+  diff = br.max_relative_diff(_read(tmp_path / 'whole' / final),
+                              _read(tmp_path / 'killed' / final))
+  assert diff <= 1e-6, diff
+
+
+def test_a_batch_that_does_not_split_over_the_replicas_is_one_line(tmp_path):
+  proc = br.start('launch', '--num_stages=2', '--num_replicas=3', '--',
+                  *_ARGS, f'--logdir={tmp_path / "run"}', '--max_steps=5')
+  rc, out, err = br.finish(proc, timeout=300)
+  assert rc == 2, (out + err)[-3000:]
+  assert re.search(r'batch_size=32 does not split over 3 replicas',
+                   out + err), (out + err)[-3000:]
+  assert not os.path.exists(tmp_path / 'run' / 'params.txt')
+
+
+@pytest.mark.parametrize('flag', ['--timeline_steps=2'])
+def test_single_process_only_flags_are_refused_on_a_cluster(tmp_path, flag):
+  rc, out, err = br.finish(_launch(tmp_path / 'run', 5, 1, flag))
+  assert rc == 2, (out + err)[-3000:]
+  assert 'one process' in out + err
