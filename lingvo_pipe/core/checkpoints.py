@@ -188,8 +188,7 @@ def save(checkpoint: tf.train.Checkpoint, logdir: str, step: int,
 def commit(logdir: str, path: str, keep: int) -> list[str]:
   """Lists `path` as the latest checkpoint in the state file (atomically)
   and deletes all but the newest `keep`; returns the deleted ones."""
-  listed = [p for p in list_checkpoints(logdir) if step_of(p) < step_of(path)]
-  listed.append(path)
+  listed = sorted({*list_checkpoints(logdir), path}, key=step_of)
   kept, dropped = listed[-keep:], listed[:-keep] if keep > 0 else []
   state = checkpoint_state_pb2.CheckpointState(
       model_checkpoint_path=os.path.basename(path),

@@ -159,5 +159,12 @@ class Share:
 
   def barrier(self, key: str) -> None:
     """Every task waits here for the others (e.g. all shards written)."""
+    del key  # Every barrier between steps is one and the same collective.
     if self.multi_process:
-      self._place.peers.barrier(key=(key,))
+      self._barrier()
+
+  @tf.function(autograph=False)
+  def _barrier(self) -> tf.Tensor:
+    # A function, like the step: an eager barrier that reused its key at
+    # every save once aborted a process (SIGABRT) on TF 2.21.
+    return self._place.peers.barrier(key=('between_steps',))

@@ -19,7 +19,8 @@ from lingvo_pipe.core import checkpoints
 
 _ARGS = (f'--model={br.MODEL}',
          f'--model_params_override={br.FAST}; '
-         'task.train.save_interval_steps: 10')
+         'task.train.save_interval_steps: 10; '
+         'task.train.lr_schedule: constant')
 
 
 def _launch(logdir, steps, num_replicas=1, *extra):
@@ -45,7 +46,12 @@ def _read(path):
 
 def _finished(proc, timeout=300):
   rc, out, err = br.finish(proc, timeout)
-  assert rc == 0, (out + err)[-4000:]
+  if rc:  # The lines that say why, then the end.
+    lines = (out + err).splitlines()
+    why = [l for l in lines if re.search(
+        r'(error|Error|Check failed|terminate|Fatal|abort)', l)
+           and '  File "' not in l]
+    raise AssertionError('\n'.join(why[:30] + ['...'] + lines[-20:]))
   return out + err
 
 
@@ -96,7 +102,7 @@ def _pids(proc, count, timeout=120):
   deadline = time.monotonic() + timeout
   line = ''
   while time.monotonic() < deadline and 'pids' not in line:
-    line = proc.stdout.readline() or line
+    line = proc.stderr.readline() or line
     if proc.poll() is not None:
       break
   m = re.search(r'pids ((?:\d+ ?)+)', line)
