@@ -21,15 +21,15 @@ import difflib
 import re
 from typing import Any, Callable, Iterator, Sequence
 
-from lingvo_pipe.core import params_literal
+from lingvo_pipe.core import params_from_text
 from lingvo_pipe.core import params_text
 from lingvo_pipe.core.params_text import ParamsError
 
+# ToText's line for bare Params in an untyped slot (params_from_text reads it).
+BARE_PARAMS = 'Params()'
 # An index has at most 9 digits: a 5,000-digit one is a malformed path, not
 # a 5,000-digit int to convert.
-_BARE_PARAMS = 'Params()'  # ToText's line for bare Params in an untyped slot.
 _PATH_PART = re.compile(r'^([A-Za-z_]\w*)((?:\[\d{1,9}\])*)$')
-_LIST_HEADER = re.compile(r'^(list|tuple)\(len=(\d{1,9})\)$')
 
 
 def _suggest(name: str, candidates: list[str]) -> str:
@@ -227,26 +227,7 @@ class Params:
     Raises:
       ParamsError: for any text that is not such lines; never another error.
     """
-    if not isinstance(text, str):
-      raise ParamsError(f'FromText needs a str, got {type(text).__name__}.')
-    for raw in params_text.split_lines(text):
-      line = raw.strip()
-      if not line or line.startswith('#'):
-        continue
-      if ':' not in line:
-        raise ParamsError(f'Malformed params line {_short(line)!r}: expected '
-                          '"path : value", e.g. "task.train.learning_rate : '
-                          '0.1".')
-      path, text_value = (s.strip() for s in line.split(':', 1))
-      try:
-        self._SetFromText(path, text_value)
-      except ParamsError:
-        raise
-      except (RecursionError, MemoryError, OverflowError, IndexError,
-              KeyError, TypeError, ValueError) as e:  # A last resort.
-        raise ParamsError(
-            f'Cannot apply params line {_short(line)!r}: '
-            f'{type(e).__name__}: {_short(str(e))}.') from None
+    params_from_text.apply_text(self, text)
     return self
 
   def TextDiff(self, other: 'Params') -> str:
@@ -343,73 +324,6 @@ class Params:
     else:
       container[indices[0]] = value
       self._Adopt(key, container)
-
-  def _SetFromText(self, path: str, text_value: str) -> None:
-    if path.endswith('.cls'):
-      self._SetClassFromText(path[:-len('.cls')], text_value)
-      return
-    parent, key, index = self._Walk(path, create=True)
-    old, default = parent._OldAndDefault(key, index)
-    if text_value == _BARE_PARAMS:
-      if isinstance(old, Params):
-        return  # Already Params: the lines that follow set its keys.
-      if old is not None or default is not None:
-        raise ParamsError(f'Param {path!r}: {_BARE_PARAMS} cannot replace its '
-                          f'{type(old).__name__} value {old!r}.')
-      parent._SetIndexed(key, [] if index is None else [index], _OpenParams())
-      return
-    head = _LIST_HEADER.match(text_value)
-    if head:
-      parent._SetListFromHeader(path, key, index, head, old, default)
-      return
-    suffix = '' if index is None else f'[{index}]'
-    parent.Set(**{key + suffix: params_text.parse_value(text_value, old, path,
-                                                        default)})
-
-  def _OldAndDefault(self, key: str, index: int | None) -> tuple[Any, Any]:
-    """The value at key[index] and its default (a list element's: itself)."""
-    if index is None:
-      return self._params[key].value, self._params[key].default
-    element = self._params[key].value[index]
-    return element, element
-
-  def _SetListFromHeader(self, path: str, key: str, index: int | None,
-                         head: re.Match, old: Any, default: Any) -> None:
-    """`x : list(len=N)`: resizes list x (new elements None) to N."""
-    size, kind = int(head.group(2)), head.group(1)
-    if size > params_literal.MAX_ITEMS:
-      raise ParamsError(f'{path} : {head.group(0)}: {size:,} elements exceed '
-                        f'the {params_literal.MAX_ITEMS:,} a params list may '
-                        'have.')
-    if not (isinstance(old, (list, tuple)) or old is None and (
-        default is None)) or index is not None:
-      raise ParamsError(f'Param {path!r}: {head.group(0)} cannot replace its '
-                        f'{type(old).__name__} value {old!r}.')
-    items = list(old) if isinstance(old, (list, tuple)) else []
-    new = (items + [None] * size)[:size]
-    setattr(self, key, tuple(new) if kind == 'tuple' else new)
-
-  def _SetClassFromText(self, owner_path: str, text_value: str) -> None:
-    """`x.cls : type/...`: (re)builds x from the class's own Params()."""
-    new_cls = params_text.parse_value(text_value, type, f'{owner_path}.cls')
-    parent, key, index = self._Walk(owner_path, create=True)
-    owner, default = parent._OldAndDefault(key, index)
-    if isinstance(owner, InstantiableParams) and owner.cls is new_cls:
-      return
-    if not (isinstance(owner, Params) or owner is None and default is None):
-      raise ParamsError(f'{owner_path}.cls : {text_value}: {owner_path} holds '
-                        f'a {type(owner).__name__} ({owner!r}), not Params.')
-    try:
-      new = new_cls.Params()  # type: ignore[union-attr]
-    except Exception as e:  # pylint: disable=broad-except
-      raise ParamsError(f'{owner_path}.cls : {text_value}: {new_cls!r} has no '
-                        f'working Params() classmethod ({type(e).__name__}), '
-                        'so it cannot be a params class.') from None
-    if not isinstance(new, Params):
-      raise ParamsError(f'{owner_path}.cls : {text_value}: its Params() '
-                        f'returned a {type(new).__name__}, not Params.')
-    suffix = '' if index is None else f'[{index}]'
-    parent.Set(**{key + suffix: new})
 
   def _Flat(self) -> dict[str, str]:
     out: dict[str, str] = {}
@@ -531,7 +445,7 @@ def _flatten(path: str, value: Any, out: dict[str, str],
   """
   if isinstance(value, Params):
     if untyped and not isinstance(value, InstantiableParams):
-      out[path] = _BARE_PARAMS
+      out[path] = BARE_PARAMS
     for name, param in value._params.items():
       _flatten(f'{path}.{name}', param.value, out,
                untyped=param.default is None)

@@ -1,10 +1,12 @@
 """The trainer's `--timeline_steps`: pictures of real training steps.
 
 At each chosen step (and the step before it, to warm the function up) the
-trainer runs that step through a second compiled step function, the same training step with `fprop_context.scope(timeline=
-[...])` open, so the pipeline engine brackets every forward, recompute and
-backward with `tf.timestamp()`. The step's update is applied as always; the
-function only returns the timestamps as well. From them it writes, under
+trainer runs that step through a second compiled step function: the same
+training step with `fprop_context.scope(timeline=[...])` open, so the
+pipeline engine brackets every forward, recompute and backward with
+`tf.timestamp()`. The step returns what the plain one does (metrics, norm,
+status, learning rate; its update applied, or not, by the same rule) and
+the timestamps as well. From them it writes, under
 `<logdir>/timeline/`:
 
 * `step_<s>.trace.json`: a Chrome trace (chrome://tracing, ui.perfetto.dev)

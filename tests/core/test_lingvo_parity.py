@@ -40,7 +40,9 @@ def test_is_defined_follows_dotted_paths_and_indices():
 def test_is_defined_does_not_define_keys_of_open_params():
   p = Params()
   p.Define('extra', None, 'Filled from text.')
-  p.FromText('extra.x : 1')  # FromText makes open Params here.
+  # Open Params, built the one way FromText builds Params under a None.
+  p.FromText('extra : Params()\nextra.x : 1')
+  assert p.extra.x == 1
   assert not p.extra.IsDefined('y')
   assert 'y' not in p.extra
 
