@@ -71,6 +71,7 @@ from lingvo_pipe.pipeline import placement
 from lingvo_pipe.pipeline import processes
 
 processes.define_flags()  # --cluster_spec, --job, --task: see worker.py.
+flags.adopt_module_key_flags(processes)  # Listed by --help.
 
 _MODEL = flags.DEFINE_string(
     'model', '', 'The model: a registered name under lingvo_pipe.params, '

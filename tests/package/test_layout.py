@@ -70,6 +70,7 @@ def test_extras_and_core_dependencies():
   assert set(project['urls']) >= {'Homepage', 'Source'}
   assert set(project['scripts']) == {'lingvo_pipe_trainer',
                                      'lingvo_pipe_evaler',
+                                     'lingvo_pipe_worker',
                                      'lingvo_pipe_launch',
                                      'lingvo_pipe_prepare_data'}
   assert all(target.startswith('lingvo_pipe._entry:')
