@@ -19,7 +19,6 @@ import contextlib
 import math
 import os
 import sys
-import tempfile
 import types
 from typing import Callable, Iterator
 
@@ -29,6 +28,7 @@ import tensorflow as tf
 
 from lingvo_pipe import _startup
 from lingvo_pipe import errors
+from lingvo_pipe.core import checkpoints
 from lingvo_pipe.core import learning_rate
 from lingvo_pipe.core import optimizer
 from lingvo_pipe.core.hyperparams import Params, ParamsError
@@ -210,32 +210,13 @@ def create_logdir(logdir: str, params_text: str) -> None:
   created = not os.path.isdir(logdir)
   try:
     os.makedirs(logdir, exist_ok=True)
-    write_file_atomically(os.path.join(logdir, PARAMS_FILE), params_text)
+    checkpoints.write_file_atomically(os.path.join(logdir, PARAMS_FILE),
+                                      params_text)
   except OSError as e:
     if created and os.path.isdir(logdir) and not os.listdir(logdir):
       os.rmdir(logdir)
     raise UserError(f'Cannot write to --logdir={logdir!r}: {e.strerror}; '
                     'choose a directory you can write to.') from None
-
-
-def write_file_atomically(path: str, text: str) -> None:
-  """Writes `text` to `path` via a temp file and os.replace."""
-  directory = os.path.dirname(os.path.abspath(path))
-  fd, tmp = tempfile.mkstemp(dir=directory, prefix='.tmp-',
-                             suffix=os.path.basename(path))
-  try:
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; match open()'s mode.
-    with os.fdopen(fd, 'w', encoding='utf-8') as f:
-      f.write(text)
-      f.flush()
-      os.fsync(f.fileno())
-    os.replace(tmp, path)
-  except BaseException:
-    if os.path.exists(tmp):
-      os.remove(tmp)
-    raise
 
 
 def params_diff(old_text: str, new: Params) -> str:

@@ -183,7 +183,7 @@ class Evaler:
     if self._writer is None:
       self._writer = tf.summary.create_file_writer(self.score_dir)
     summaries.scalars(self._writer, record['step'], record['metrics'])
-    _cli.write_file_atomically(_score_path(self.score_dir, ckpt),
+    checkpoints.write_file_atomically(_score_path(self.score_dir, ckpt),
                                json.dumps(record, indent=1, sort_keys=True))
     logging.info('Scored %s (step %d, %d examples): %s', ckpt,
                  record['step'], record['num_examples'],

@@ -175,7 +175,7 @@ class Trainer:
       raise RuntimeError('Trainer.save() before restore(): call restore() '
                          'first; it reads the logdir\'s checkpoints.')
     share, step = self.share, int(self.step.numpy())
-    path = os.path.join(self._logdir, f'{checkpoints.CHECKPOINT_PREFIX}-{step}')
+    path = checkpoints.path_of(self._logdir, step)
     if share.writes_shard:
       checkpoints.save(self._ckpt, self._logdir, step, share.stage,
                        share.num_stages)

@@ -41,6 +41,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import tempfile
 from typing import Iterable, Sequence
 
 from google.protobuf import text_format
@@ -138,10 +139,14 @@ def list_checkpoints(logdir: str) -> list[str]:
   return sorted((p for p in paths if _STEP.search(p)), key=step_of)
 
 
+def path_of(logdir: str, step: int) -> str:
+  """Checkpoint `step`'s path, e.g. '/logdir/ckpt-300' (whole or sharded)."""
+  return os.path.join(logdir, f'{CHECKPOINT_PREFIX}-{step}')
+
+
 def shard_prefix(logdir: str, step: int, stage: int, num_stages: int) -> str:
   """Where stage `stage` of K writes its shard of checkpoint `step`."""
-  return os.path.join(
-      logdir, f'{CHECKPOINT_PREFIX}-{step}.stage{stage}of{num_stages}')
+  return f'{path_of(logdir, step)}.stage{stage}of{num_stages}'
 
 
 def files_of(path: str) -> list[str]:
@@ -175,7 +180,7 @@ def save(checkpoint: tf.train.Checkpoint, logdir: str, step: int,
   Returns:
     The checkpoint's path, '<logdir>/ckpt-<step>'.
   """
-  path = os.path.join(logdir, f'{CHECKPOINT_PREFIX}-{step}')
+  path = path_of(logdir, step)
   # `restore` creates the checkpoint's save counter in the reader, so the
   # file must hold one too (`save` would write it; `write` only if it
   # exists), else a strict restore finds it unmatched.
@@ -193,15 +198,31 @@ def commit(logdir: str, path: str, keep: int) -> list[str]:
   state = checkpoint_state_pb2.CheckpointState(
       model_checkpoint_path=os.path.basename(path),
       all_model_checkpoint_paths=[os.path.basename(p) for p in kept])
-  temp = os.path.join(logdir, f'.{STATE_FILE}.tmp-{os.getpid()}')
-  with open(temp, 'w', encoding='utf-8') as f:
-    f.write(text_format.MessageToString(state))
-    f.flush()
-    os.fsync(f.fileno())
-  os.replace(temp, os.path.join(logdir, STATE_FILE))  # Atomic.
+  write_file_atomically(os.path.join(logdir, STATE_FILE),
+                        text_format.MessageToString(state))
   for old in dropped:
     delete(old)
   return dropped
+
+
+def write_file_atomically(path: str, text: str) -> None:
+  """Writes `text` to `path` via a temp file and os.replace."""
+  directory = os.path.dirname(os.path.abspath(path))
+  fd, tmp = tempfile.mkstemp(dir=directory, prefix='.tmp-',
+                             suffix=os.path.basename(path))
+  try:
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; match open()'s mode.
+    with os.fdopen(fd, 'w', encoding='utf-8') as f:
+      f.write(text)
+      f.flush()
+      os.fsync(f.fileno())
+    os.replace(tmp, path)
+  except BaseException:
+    if os.path.exists(tmp):
+      os.remove(tmp)
+    raise
 
 
 def delete(path: str) -> None:
