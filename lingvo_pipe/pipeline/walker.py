@@ -117,6 +117,8 @@ class Walker:
     self.tapes: dict[tuple[int, int], tf.GradientTape] = {}
     self.acc: list[Any] = [None] * len(stages)
     self.chain: list[list[tf.Tensor]] = [[] for _ in range(len(schedule))]
+    # Each device's chain before its latest op: where a recv is posted.
+    self.before: list[list[tf.Tensor]] = [[] for _ in range(len(schedule))]
     self.stats = [StatsCollector() for _ in stages]
     self.tokens: list[tf.Tensor] = []  # Sends; the step's end waits on them.
     self.fused: set[tuple[int, int]] = set()
@@ -157,6 +159,10 @@ class Walker:
     # Never empty, so a body is traced once, not once more for its first call.
     return self.chain[d] or [tf.zeros([])]
 
+  def _advance(self, d: int, tensors: list[tf.Tensor]) -> None:
+    """Device d's next op waits on `tensors`."""
+    self.before[d], self.chain[d] = self.chain[d], tensors
+
   def _send(self, value: Any, s: int, key: tuple[Any, ...]) -> None:
     """Sends `value` to stage s's process, if that is another one."""
     if not self.is_local(s):
@@ -166,14 +172,18 @@ class Walker:
         self.tokens.append(token)
 
   def _recv(self, spec: Any, s: int, key: tuple[Any, ...], d: int) -> Any:
-    """What stage s's process sent with `key`, received behind device d's
-    previous op."""
+    """What stage s's process sent with `key`, received by device d.
+
+    The recv is posted behind the op before device d's previous one, so the
+    transfer overlaps that previous op's compute (collective.py): one more
+    activation buffered per stage, the bound 1F1B keeps.
+    """
     if self.specs is None:
       raise WalkerError(f'Stage {s} runs in another process; the walker '
                         'needs the boundary specs to receive from it.')
     return self.placement.peers.recv(
         spec, self.placement.task(self.device_of(s)), key,
-        after=self._after(d))
+        after=self.before[d])
 
   def _input(self, s: int, m: int, d: int) -> Any:
     """F(s, m)'s input, placed on s's device once (R reads it again)."""
@@ -199,7 +209,7 @@ class Walker:
     with tf.device(self.stages[s].device):
       self.stats[s].merge(stats)
     self._record(s, m, 'F', times)
-    self.chain[d] = leaves(y) or self._after(d)
+    self._advance(d, leaves(y) or self._after(d))
     if s < self.last:
       self._send(y, s + 1, ('F', s + 1, m))
 
@@ -239,7 +249,7 @@ class Walker:
     self.dx[(s, m)] = tf.nest.pack_sequence_as(
         x, [next(it) if stage_ops.differentiable(v) else None
             for v in tf.nest.flatten(x)])
-    self.chain[d] = leaves((dx, self.acc[s]))
+    self._advance(d, leaves((dx, self.acc[s])))
     if s > 0:
       self._send(list(dx), s - 1, ('B', s - 1, m))
 
