@@ -30,6 +30,7 @@ from lingvo_pipe.core import base_layer
 from lingvo_pipe.pipeline import memory
 from lingvo_pipe.pipeline import microbatch
 from lingvo_pipe.pipeline import partitioner
+from lingvo_pipe.pipeline import placement
 from lingvo_pipe.pipeline import profile
 from lingvo_pipe.pipeline import schedule as schedule_lib
 from lingvo_pipe.pipeline import simulator
@@ -277,7 +278,28 @@ def _profiled_costs(p: Any, layers: list[Any], where: str,
                                       batch_dim=p.batch_dim)
   except (profile.ProfileError, microbatch.MicroBatchError) as e:
     raise PlanError(f'{where}: {e}') from None
-  return profile.costs_from_profiles(profiles)
+  return _agreed(profile.costs_from_profiles(profiles))
+
+
+def _agreed(costs: list[float]) -> list[float]:
+  """The same costs in every process of a run.
+
+  Each stage process profiles on its own, and timings differ from one
+  process to the next; cut from them, the processes could disagree on the
+  stages and wait on each other's transfers for ever. The mean over every
+  task (one all-reduce, whose result is the same bits everywhere) is what
+  each of them partitions.
+  """
+  peers = placement.peers()
+  if peers.num_tasks == 1:
+    return costs
+
+  @tf.function(autograph=False)
+  def mean(x: tf.Tensor) -> tf.Tensor:
+    return peers.all_reduce(x, range(peers.num_tasks), ('profile_costs',),
+                            op='mean')
+
+  return [float(c) for c in mean(tf.constant(costs, tf.float64)).numpy()]
 
 
 def make_plan(p: Any, where: str, profile_inputs: Any = None) -> Plan:

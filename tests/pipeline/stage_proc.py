@@ -30,6 +30,8 @@ _M = flags.DEFINE_integer('num_micro_batches', 2, 'M of the global batch '
                           '(each of R replicas runs M ÷ R).')
 _SCHEDULE = flags.DEFINE_string('schedule', 'gpipe', 'Schedule.')
 _RECOMPUTE = flags.DEFINE_string('recompute', 'always', 'Policy.')
+_COSTS = flags.DEFINE_string('costs', '', "'profile': p.costs='profile' "
+                             '(each process profiles); else FPropMeta flops.')
 _OUT = flags.DEFINE_string('out', '', 'Where the JSON goes.')
 
 
@@ -58,7 +60,8 @@ def main(argv):
     net, inputs = stacks.net(_MODEL.value, num_stages=_NUM_STAGES.value,
                              num_micro_batches=_M.value,
                              schedule=_SCHEDULE.value,
-                             recompute=_RECOMPUTE.value)
+                             recompute=_RECOMPUTE.value,
+                             costs=_COSTS.value or None)
     labels = stacks.loss_labels(_MODEL.value)
     replicas = peers.num_tasks // _NUM_STAGES.value
     r, n = peers.task // _NUM_STAGES.value, stacks.BATCH // replicas
@@ -75,6 +78,8 @@ def main(argv):
         'stats': {k: {n: np.asarray(x).tolist() for n, x in s.items()}
                   for k, s in stats.items()},
         'num_variables': len(net.trainable_variables),
+        'costs': list(net.plan.costs),
+        'boundaries': list(net.plan.boundaries),
     }
     with open(_OUT.value, 'w') as f:
       json.dump(out, f)

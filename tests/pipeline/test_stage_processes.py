@@ -54,10 +54,11 @@ def _reference(model, num_stages, num_micro_batches, schedule, recompute):
            for k, s in stats.items()})
 
 
-def _run(tmp_path, model, k, r, m, schedule, recompute):
+def _run(tmp_path, model, k, r, m, schedule, recompute, costs=''):
   flags = [f'--model={model}', f'--num_stages={k}',
            f'--num_micro_batches={r * m}',  # Of the global batch.
-           f'--schedule={schedule}', f'--recompute={recompute}']
+           f'--schedule={schedule}', f'--recompute={recompute}',
+           f'--costs={costs}']
   cluster = runtime_procs.spec(runtime_procs.free_ports(k * r))
   outs = [tmp_path / f'task{t}.json' for t in range(k * r)]
   with runtime_procs.Tasks(tmp_path) as tasks:
@@ -96,3 +97,18 @@ def test_stage_processes_equal_one_process(tmp_path, model, k, r, m,
       for field, value in stats.items():
         np.testing.assert_allclose(value, want_stats[path][field], rtol=1e-5)
   assert seen == set(want_grads)  # Every variable lives in some process.
+
+
+def test_profiled_partition_is_the_same_in_every_process(tmp_path):
+  """costs='profile': each process times the layers itself, and timings
+  differ between processes; all must still cut the same stages (else they
+  would wait on transfers that never come), and train like one process."""
+  runs = _run(tmp_path, 'nested', 3, 1, 2, 'gpipe', 'always', 'profile')
+  assert all(r['costs'] == runs[0]['costs'] for r in runs), [
+      np.asarray(r['costs']) / runs[0]['costs'] - 1 for r in runs]
+  assert all(r['boundaries'] == runs[0]['boundaries'] for r in runs)
+  assert len(set(runs[0]['costs'])) > 1  # Measured, not a placeholder.
+  want_metrics, _, _ = _reference('nested', 3, 2, 'gpipe', 'always')
+  for run in runs:
+    for name, value in run['metrics'].items():
+      np.testing.assert_allclose(value, want_metrics[name], rtol=1e-5)
