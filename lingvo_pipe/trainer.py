@@ -69,6 +69,7 @@ from lingvo_pipe.core import summaries
 from lingvo_pipe.core.hyperparams import Params
 from lingvo_pipe.pipeline import placement
 from lingvo_pipe.pipeline import processes
+from lingvo_pipe.pipeline import watchdog
 
 processes.define_flags()  # --cluster_spec, --job, --task: see worker.py.
 flags.adopt_module_key_flags(processes)  # Listed by --help.
@@ -250,6 +251,7 @@ class Trainer:
     batch_size = generator.params.batch_size
     progress = progress_lib.Progress(train.max_steps, batch_size)
     rate = progress_lib.Rate(batch_size)
+    watchdog.expect_step(first=True)  # A stuck step ends a cluster task.
     for batch in generator.TrainDataset(start):
       s = int(self.step.numpy())
       done = s + 1
@@ -279,6 +281,7 @@ class Trainer:
       # Every process stops after the same step (a signal or a deadline may
       # reach them a step apart): the stop is agreed.
       stop = self.share.agree_to_stop(bool(self.stop_reason))
+      watchdog.expect_step()
       if stop and not self.stop_reason:
         self.stop_reason = 'another task of the run is stopping'
       if done >= train.max_steps or stop:
@@ -288,6 +291,7 @@ class Trainer:
           logging.info('Stopped at step %d of %d (%s); run again to '
                        'continue.', done, train.max_steps, self.stop_reason)
         break
+    watchdog.no_step_expected()
     if self.share.is_chief:
       progress.log(overall=True)
 

@@ -41,11 +41,18 @@ Why it looks like this (each point was measured on TF 2.21):
   dependencies neither order nor keep them. A send whose token nobody uses
   would be pruned, and its receiver would wait out the timeout; `send` marks
   its ops to run anyway, and still returns the token.
-- Without a timeout a mismatched key hangs for ever; every op here carries
-  `timeout_s`. A timeout aborts every collective of the process (TF's rule),
-  so it is fatal: `explain(error)` turns the TF error into one line naming
-  the op's key and the peer task and address. A peer that died is found
-  sooner by the process watchdog (`processes.py`).
+- Without a timeout a mismatched key hangs for ever. But TF arms a timeout
+  with a thread per op that sleeps out the whole timeout (TF 2.21): at ~37
+  collectives a step, 300 s of timeout held ~16,000 threads per process,
+  and the default model's run died of SIGABRT ("Resource temporarily
+  unavailable") after 400 steps. So the ops of a started run
+  (`processes.start`) carry no TF timeout (`op_timeout_s=0`); the process
+  watchdog ends a task whose steps stop finishing within `timeout_s`, and
+  finds a dead peer within seconds (`watchdog.py`). A `Peers` built
+  directly times each op out after `timeout_s`. A TF timeout aborts every
+  collective of the process (TF's rule), so it is fatal: `explain(error)`
+  turns the TF error into one line naming the op's key and the peer task
+  and address.
 - The collective ops take bool, float16/32/64 and int32/64; other dtypes
   travel widened losslessly (bfloat16 as float32, small ints as int32).
 
@@ -96,6 +103,8 @@ class Peers:
     timeout_s: every collective fails after this many seconds without its
       peers (a mismatch, or a peer that never got there). Generous, because
       a peer may still be tracing its first step.
+    op_timeout_s: the TF timeout each op carries; None: `timeout_s`; 0: none
+      (the watchdog's step deadline enforces `timeout_s`; see above).
     device_type: 'CPU' or 'GPU': this task's device for the collectives.
   """
   task: int
@@ -103,6 +112,7 @@ class Peers:
   job: str = 'worker'
   timeout_s: float = 300.0
   device_type: str = 'CPU'
+  op_timeout_s: float | None = None
   _registry: dict = dataclasses.field(
       default_factory=dict, init=False, repr=False, compare=False)
   _per_graph: Any = dataclasses.field(
@@ -113,6 +123,10 @@ class Peers:
   def local(cls) -> 'Peers':
     """One process, no cluster: reductions over task 0 return their input."""
     return cls(task=0, addresses=('localhost',), job='localhost')
+
+  @property
+  def _op_timeout_s(self) -> float:
+    return self.timeout_s if self.op_timeout_s is None else self.op_timeout_s
 
   @property
   def num_tasks(self) -> int:
@@ -154,7 +168,7 @@ class Peers:
             (self.task, to_task), ('p2p', self.task, to_task, leaf))
         op = tf.raw_ops.CollectiveBcastSendV2(
             input=_widen(x, key), group_size=2, group_key=group,
-            instance_key=instance, timeout_seconds=self.timeout_s,
+            instance_key=instance, timeout_seconds=self._op_timeout_s,
             name=f'lp_send_g{group}_i{instance}')
         _run_even_if_unused(op)
         ops.append(op)
@@ -198,7 +212,7 @@ class Peers:
         x = tf.raw_ops.CollectiveBcastRecvV2(
             group_size=2, group_key=group, instance_key=instance,
             shape=shape.as_list(), T=_wire_dtype(dtype, key),
-            timeout_seconds=self.timeout_s,
+            timeout_seconds=self._op_timeout_s,
             name=f'lp_recv_g{group}_i{instance}')
         out.append(tf.cast(x, dtype) if x.dtype != dtype else x)
     return tf.nest.pack_sequence_as(spec, out)
@@ -337,7 +351,7 @@ class Peers:
         input=_widen(flat, key), group_size=len(members), group_key=group,
         instance_key=instance, ordering_token=[], merge_op='Add',
         final_op='Div' if op == 'mean' else 'Id',
-        timeout_seconds=self.timeout_s,
+        timeout_seconds=self._op_timeout_s,
         name=f'lp_all_reduce_g{group}_i{instance}')
     reduced = tf.cast(reduced, dtype) if reduced.dtype != dtype else reduced
     parts = tf.split(reduced, [tf.size(t) for t in tensors]) if len(

@@ -119,7 +119,8 @@ def start(config: ClusterConfig | None, *, cores: Sequence[int] | None = None,
     config: from `cluster_from`; None for a single process.
     cores: pin this process to these CPUs (else keep the inherited mask,
       e.g. the launcher's one core). Thread pools follow the mask.
-    collective_timeout_s: `Peers.timeout_s` of every collective.
+    collective_timeout_s: `Peers.timeout_s`: a step (or the start-up and
+      shutdown barriers) that takes longer ends the process.
     peer_timeout_s: how long to wait for every peer to come up.
     watchdog: watch the peers and exit when one dies.
 
@@ -131,9 +132,11 @@ def start(config: ClusterConfig | None, *, cores: Sequence[int] | None = None,
   _configure_threads()
   if config is None:
     return Runtime(collective.Peers.local(), None)
+  # No TF timeout on each op (a sleeping thread per op: collective.py); the
+  # watchdog's step deadline enforces collective_timeout_s instead.
   peers = collective.Peers(task=config.task, addresses=config.addresses,
                            job=config.job, timeout_s=collective_timeout_s,
-                           device_type=_device_type())
+                           device_type=_device_type(), op_timeout_s=0.0)
   _start_server(config)
   watch = watchdog_lib.Watchdog(peers)
   missing = watch.wait_until_up(peer_timeout_s)
@@ -160,9 +163,10 @@ def define_flags() -> None:
   flags.DEFINE_string('job', DEFAULT_JOB, 'This process\'s job in '
                       '--cluster_spec.')
   flags.DEFINE_integer('task', None, 'This process\'s index in its job.')
-  flags.DEFINE_float('collective_timeout_secs', 300.0, 'A send, recv or '
-                     'all-reduce fails after this long without its peers; '
-                     'generous, as a peer may still be tracing.')
+  flags.DEFINE_float('collective_timeout_secs', 300.0, 'A training step '
+                     'that takes longer (the first: 6× as long, as it '
+                     'traces) while every peer answers ends the task with '
+                     'an error; a dead peer is found within seconds.')
   flags.DEFINE_float('peer_timeout_secs', 120.0, 'How long start-up waits '
                      'for every task to come up.')
 
@@ -212,7 +216,8 @@ class Runtime:
       return
     self.watchdog.stop()
     try:
-      self.peers.barrier(key=('shutdown',))
+      dataclasses.replace(self.peers, op_timeout_s=None).barrier(
+          key=('shutdown',))
     except Exception as e:  # pylint: disable=broad-except
       self.watchdog.exit_if_peer_dead(cause=e)
       raise
@@ -298,7 +303,7 @@ def _start_server(config: ClusterConfig) -> None:
 
 def _meet(peers: collective.Peers, timeout_s: float) -> None:
   """A first barrier: every task is up and the collective path works."""
-  slow = dataclasses.replace(peers, timeout_s=timeout_s)
+  slow = dataclasses.replace(peers, timeout_s=timeout_s, op_timeout_s=None)
   try:
     slow.barrier(key=('startup',))
   except Exception as e:  # pylint: disable=broad-except

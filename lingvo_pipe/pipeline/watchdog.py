@@ -18,6 +18,14 @@ finds the task that really died, not this one: each names the same task.
 
 The main thread asks too (`exit_if_peer_dead`) when a step raises, because a
 step talking to the dead task fails before the next probe.
+
+It also ends a task that stops making progress while every peer answers (a
+peer stuck, or tasks that disagree on the model and wait on collectives
+the others never build): the in-step collectives carry no TF timeout
+(collective.py says why), so the trainer calls `expect_step()` after each
+step, and a step that does not finish within the peers' `timeout_s`
+(`--collective_timeout_secs`; the first step, which traces, gets
+`FIRST_STEP_FACTOR` times as long) ends the process with one line.
 """
 
 from __future__ import annotations
@@ -33,6 +41,23 @@ from tensorflow.python.eager import context
 from lingvo_pipe.pipeline import collective
 
 EXIT_PEER_GONE = 75  # EX_TEMPFAIL: restart the run.
+FIRST_STEP_FACTOR = 6  # The first step traces: minutes for a deep pipeline.
+_ACTIVE: list['Watchdog'] = []  # This process's started watchdog.
+
+
+def expect_step(first: bool = False) -> None:
+  """The next step must finish within the peers' timeout (× FIRST_STEP_
+  FACTOR if `first`), or the running watchdog ends this process. A no-op
+  without one (a single process)."""
+  for watch in _ACTIVE:
+    watch.set_deadline(watch.peers_timeout_s * (FIRST_STEP_FACTOR if first
+                                                  else 1))
+
+
+def no_step_expected() -> None:
+  """Disarms the step deadline (after the last step)."""
+  for watch in _ACTIVE:
+    watch.set_deadline(None)
 
 
 class Watchdog:
@@ -56,6 +81,17 @@ class Watchdog:
     self._stop = threading.Event()
     self._verdict = threading.Lock()
     self._thread: threading.Thread | None = None
+    self._deadline: tuple[float, float] | None = None  # (limit_s, until)
+
+  @property
+  def peers_timeout_s(self) -> float:
+    return self._peers.timeout_s
+
+  def set_deadline(self, limit_s: float | None) -> None:
+    """Ends the process unless this is called again within `limit_s`
+    seconds (None: never)."""
+    self._deadline = (None if limit_s is None else
+                      (limit_s, time.monotonic() + limit_s))
 
   def _others(self) -> list[int]:
     return [t for t in range(self._peers.num_tasks) if t != self._peers.task]
@@ -94,10 +130,13 @@ class Watchdog:
     self._thread = threading.Thread(target=self._run, name='lingvo_pipe_'
                                     'watchdog', daemon=True)
     self._thread.start()
+    _ACTIVE.append(self)
 
   def stop(self) -> None:
     """Stops probing (before a clean exit, when peers may leave first)."""
     self._stop.set()
+    if self in _ACTIVE:
+      _ACTIVE.remove(self)
     if self._thread is not None:
       self._thread.join()
       self._thread = None
@@ -129,6 +168,23 @@ class Watchdog:
         reason = self._probe_repeatedly(task)
         if reason and not self._stop.is_set():
           self._give_up(task, reason)
+      deadline = self._deadline
+      if (deadline and time.monotonic() > deadline[1]
+          and not self._stop.is_set()):
+        self._stuck(deadline[0])
+
+  def _stuck(self, limit_s: float) -> None:
+    """Every peer answers, but no step finished within `limit_s`."""
+    if not self._verdict.acquire(blocking=False):
+      return  # Another verdict is ending the process.
+    os.write(2, (
+        f'lingvo_pipe: error: task {self._peers.task}: no step finished '
+        f'within {limit_s:g} s though every peer answers: a task is stuck, '
+        'or the tasks disagree on the model, flags or data and wait on '
+        'transfers the others never make (compare their params.txt); '
+        f'exiting with status {EXIT_PEER_GONE}. A step that is only slow '
+        'needs a larger --collective_timeout_secs.\n').encode())
+    os._exit(EXIT_PEER_GONE)  # pylint: disable=protected-access
 
   def _give_up(self, task: int, reason: str) -> None:
     """Writes the one line, waits `grace_s`, exits. Only the first caller

@@ -11,6 +11,9 @@ import json
 import re
 import signal
 import socket
+import subprocess
+import sys
+import textwrap
 import time
 
 import pytest
@@ -104,3 +107,25 @@ def _wait_until_listening(port, proc, timeout_s=120):
     except OSError:
       time.sleep(0.1)
   raise AssertionError(f'nothing listens on {port}')
+
+
+def test_a_step_that_never_finishes_ends_the_task_with_one_line():
+  """In-step collectives carry no TF timeout (a thread per op): the
+  watchdog's step deadline ends a task whose step hangs while its peers
+  answer, with one line, instead of a hang."""
+  code = textwrap.dedent("""
+      import time
+      from lingvo_pipe.pipeline import collective, watchdog
+      peers = collective.Peers(task=0, addresses=('localhost:1',),
+                               timeout_s=0.5)
+      watchdog.Watchdog(peers, interval_s=0.05).start()
+      watchdog.expect_step()
+      time.sleep(60)  # A step that never finishes.
+      """)
+  proc = subprocess.run([sys.executable, '-c', code], capture_output=True,
+                        text=True, timeout=120)
+  assert proc.returncode == watchdog.EXIT_PEER_GONE, proc.stderr[-2000:]
+  lines = [l for l in proc.stderr.splitlines() if 'lingvo_pipe: error' in l]
+  assert len(lines) == 1, proc.stderr[-2000:]
+  assert re.search(r'task 0: no step finished within 0\.5 s .*'
+                   r'--collective_timeout_secs', lines[0]), lines[0]
