@@ -46,7 +46,8 @@ Why it looks like this (each point was measured on TF 2.21):
   collectives a step, 300 s of timeout held ~16,000 threads per process,
   and the default model's run died of SIGABRT ("Resource temporarily
   unavailable") after 400 steps. So the ops of a started run
-  (`processes.start`) carry no TF timeout (`op_timeout_s=0`); the process
+  (`processes.start`, unless `op_timeouts=True`) carry no TF timeout
+  (`op_timeout_s=0`); the process
   watchdog ends a task whose steps stop finishing within `timeout_s`, and
   finds a dead peer within seconds (`watchdog.py`). A `Peers` built
   directly times each op out after `timeout_s`. A TF timeout aborts every

@@ -112,7 +112,7 @@ def cluster_from(cluster_spec: str = '', job: str = DEFAULT_JOB,
 
 def start(config: ClusterConfig | None, *, cores: Sequence[int] | None = None,
           collective_timeout_s: float = 300.0, peer_timeout_s: float = 120.0,
-          watchdog: bool = True) -> 'Runtime':
+          watchdog: bool = True, op_timeouts: bool = False) -> 'Runtime':
   """Starts this task of the run; call it before any TensorFlow op.
 
   Args:
@@ -123,6 +123,10 @@ def start(config: ClusterConfig | None, *, cores: Sequence[int] | None = None,
       shutdown barriers) that takes longer ends the process.
     peer_timeout_s: how long to wait for every peer to come up.
     watchdog: watch the peers and exit when one dies.
+    op_timeouts: give every collective op the TF timeout (a failure then
+      names the op's key and peer), at the cost of a thread per op for the
+      whole timeout (collective.py); only for short programs. Else the
+      trainer's step deadline (`watchdog.expect_step`) bounds a hang.
 
   Raises:
     ClusterError: TF already started, a port in use, or peers missing.
@@ -136,7 +140,8 @@ def start(config: ClusterConfig | None, *, cores: Sequence[int] | None = None,
   # watchdog's step deadline enforces collective_timeout_s instead.
   peers = collective.Peers(task=config.task, addresses=config.addresses,
                            job=config.job, timeout_s=collective_timeout_s,
-                           device_type=_device_type(), op_timeout_s=0.0)
+                           device_type=_device_type(),
+                           op_timeout_s=None if op_timeouts else 0.0)
   _start_server(config)
   watch = watchdog_lib.Watchdog(peers)
   missing = watch.wait_until_up(peer_timeout_s)

@@ -144,7 +144,9 @@ def _exit_on_sigterm(task):
 
 def main(argv) -> None:
   del argv
-  with processes.start_from_flags() as peers:
+  # mismatch: each op carries the TF timeout, so the error names its key.
+  with processes.start_from_flags(
+      op_timeouts=_SCENARIO.value == 'mismatch') as peers:
     _say('READY', peers.task)
     scenario = _SCENARIO.value
     if scenario == 'chain':
