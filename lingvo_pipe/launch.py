@@ -32,7 +32,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import IO, Callable, Sequence
+from typing import IO, Callable, Sequence, cast
 
 from absl import app
 from absl import flags
@@ -104,14 +104,15 @@ class Launcher:
           cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
           process_group=0, preexec_fn=_preexec(core)))
     for task, proc in enumerate(self._procs):
+      # Popen(stdout=PIPE, stderr=PIPE) made both pipes.
       for pipe, out in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr)):
-        thread = threading.Thread(target=self._stream,
-                                  args=(task, pipe, out), daemon=True)
+        thread = threading.Thread(
+            target=self._stream, args=(task, cast(IO[bytes], pipe), out),
+            daemon=True)
         thread.start()
         self._threads.append(thread)
 
-  def _stream(self, task: int, pipe: IO[bytes] | None, out: IO[str]) -> None:
-    assert pipe is not None  # Popen(stdout=PIPE) made it.
+  def _stream(self, task: int, pipe: IO[bytes], out: IO[str]) -> None:
     for raw in iter(pipe.readline, b''):
       line = raw.decode('utf-8', 'replace').rstrip('\n')
       with _OUTPUT:
