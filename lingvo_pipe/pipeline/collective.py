@@ -47,9 +47,9 @@ Why it looks like this (each point was measured on TF 2.21):
   and the default model's run died of SIGABRT ("Resource temporarily
   unavailable") after 400 steps. So the ops of a started run
   (`processes.start`, unless `op_timeouts=True`) carry no TF timeout
-  (`op_timeout_s=0`); the process
-  watchdog ends a task whose steps stop finishing within `timeout_s`, and
-  finds a dead peer within seconds (`watchdog.py`). A `Peers` built
+  (`op_timeout_s=0`); the process watchdog ends a task whose steps stop
+  finishing within `timeout_s`, and finds a dead peer within seconds
+  (`watchdog.py`). A `Peers` built
   directly times each op out after `timeout_s`. A TF timeout aborts every
   collective of the process (TF's rule), so it is fatal: `explain(error)`
   turns the TF error into one line naming the op's key and the peer task
