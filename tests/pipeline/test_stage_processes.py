@@ -112,3 +112,34 @@ def test_profiled_partition_is_the_same_in_every_process(tmp_path):
   for run in runs:
     for name, value in run['metrics'].items():
       np.testing.assert_allclose(value, want_metrics[name], rtol=1e-5)
+
+
+def test_one_f_one_b_holds_the_same_activations_at_any_m(tmp_path):
+  """1F1B on stage processes: a stage's step memory does not grow with M.
+
+  Regression: Grappler dropped the control edges that post each recv behind
+  an earlier op of its stage, so the last stage posted all M recvs at the
+  step's start and held M received activations (4 → 16 micro-batches: +12
+  × 256 KiB). GPipe, which keeps every micro-batch's activations, shows the
+  measurement sees growth: it must grow by about M × a stage's layers.
+  """
+  proc = os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                      'memory_proc.py')
+  cluster = runtime_procs.spec(runtime_procs.free_ports(2))
+  outs = [tmp_path / f'task{t}.json' for t in range(2)]
+  with runtime_procs.Tasks(tmp_path) as tasks:
+    for t in range(2):
+      tasks.start([proc, f'--cluster_spec={cluster}', f'--task={t}',
+                   f'--out={outs[t]}'], f'task{t}')
+    for t, p in enumerate(tasks.procs):
+      assert p.wait(timeout=runtime_procs.TIMEOUT_S) == 0, (
+          t, tasks.output(t)[1][-3000:])
+  boundary = 256 * 256 * 4  # One activation of one micro-batch.
+  for t, path in enumerate(outs):
+    growth = json.loads(path.read_text())
+    extra = {s: growth[f'{s} 16'] - growth[f'{s} 4'] for s in ('1f1b',
+                                                              'gpipe')}
+    # A transfer more or less in flight moves the peak by a boundary or two.
+    assert extra['1f1b'] < 3 * boundary, (t, growth)
+    # GPipe: 12 more micro-batches × 4 layers' outputs each.
+    assert extra['gpipe'] > 0.75 * 12 * 4 * boundary, (t, growth)
