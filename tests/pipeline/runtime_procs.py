@@ -87,13 +87,16 @@ class Tasks:
     self.kill_all()
 
 
-def spawn_tasks(num_tasks: int, flags, tmp_path):
-  """Runs tasks 0..num_tasks−1 to the end; returns CompletedProcess-likes."""
+def spawn_tasks(num_tasks: int, flags, tmp_path, task_flags=None):
+  """Runs tasks 0..num_tasks−1 to the end; returns CompletedProcess-likes.
+
+  `task_flags` maps a task to flags only it gets (after `flags`)."""
   cluster = spec(free_ports(num_tasks))
   with Tasks(tmp_path) as tasks:
     for t in range(num_tasks):
       tasks.start([WORKER, f'--cluster_spec={cluster}', f'--task={t}'] +
-                  list(flags), f'task{t}')
+                  list(flags) + list((task_flags or {}).get(t, [])),
+                  f'task{t}')
     runs = []
     for t, proc in enumerate(tasks.procs):
       proc.wait(timeout=TIMEOUT_S)
