@@ -151,9 +151,11 @@ class Walker:
 
   def _record(self, s: int, m: int, kinds: str,
               times: list[tf.Tensor]) -> None:
+    """Appends one record per kind; `times` holds a [start, end] bracket
+    per kind (R and B of a recomputing backward are two brackets)."""
     if self.timeline is not None:
       for i, kind in enumerate(kinds):
-        self.timeline.append((s, m, kind, times[i], times[i + 1]))
+        self.timeline.append((s, m, kind, times[2 * i], times[2 * i + 1]))
 
   def _after(self, d: int) -> list[tf.Tensor]:
     # Never empty, so a body is traced once, not once more for its first call.

@@ -5,6 +5,7 @@ import json
 import pytest
 import tensorflow as tf
 
+from lingvo_pipe.core import fprop_context
 from lingvo_pipe.core import gpipe
 from lingvo_pipe.pipeline import simulator
 from lingvo_pipe.pipeline import timeline
@@ -110,6 +111,38 @@ def test_records_of_a_real_step_on_logical_devices():
   for k in range(2):
     for m in range(2):  # Recompute precedes its backward.
       assert by_key[(k, m, 'R')].end <= by_key[(k, m, 'B')].start
+
+
+def test_recompute_and_backward_are_recorded_as_two_brackets():
+  """Regression: a recomputing backward stamps R and B as two brackets
+  [R start, R end, B start, B end]; they were paired as contiguous
+  intervals, so B was recorded as (R end, B start), ~0 s long, and the
+  backward's compute fell outside every record."""
+  layers = [linear.FCLayer.Params().Set(name=f'fc{i}', input_dim=4,
+                                        output_dim=4) for i in range(2)]
+  net = gpipe.PipeliningLayer.Params().Set(
+      name='net', layers=layers, num_micro_batches=2,
+      input_shapes=[[4, 4]]).Instantiate()
+  seen = []
+
+  @tf.function
+  def step():
+    records = []
+    with tf.GradientTape() as tape:
+      with fprop_context.scope(training=True, timeline=records):
+        y = net.FProp(net.theta, tf.ones([4, 4]))
+      loss = tf.reduce_sum(y)
+    grads = tape.gradient(loss, net.trainable_variables)
+    seen.extend(records)
+    return grads
+
+  step.get_concrete_function()
+  by = {(s, m, kind): (start, end) for s, m, kind, start, end in seen}
+  for m in range(2):
+    r_start, r_end = by[(0, m, 'R')]
+    b_start, b_end = by[(0, m, 'B')]
+    # Four stamps; before the fix B's start was R's end (the same tensor).
+    assert len({t.name for t in (r_start, r_end, b_start, b_end)}) == 4
 
 
 def test_overlap_fraction():

@@ -12,7 +12,6 @@ import subprocess
 import sys
 
 import pytest
-import tensorflow as tf
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__))))
@@ -27,16 +26,11 @@ def _load():
 
 
 benchmark = _load()
-from bench import common  # pylint: disable=C0413
 from bench import peer  # pylint: disable=C0413
 from bench import report  # pylint: disable=C0413
 from bench import sections  # pylint: disable=C0413
 from bench import stage_procs  # pylint: disable=C0413
 from bench import table1  # pylint: disable=C0413
-from lingvo_pipe.core import fprop_context  # pylint: disable=C0413
-from lingvo_pipe.core import gpipe  # pylint: disable=C0413
-from lingvo_pipe.layers import linear  # pylint: disable=C0413
-from lingvo_pipe.pipeline import walker  # pylint: disable=C0413
 
 # What each section's Markdown must show: table headers, targets, papers.
 _EXPECTED = {
@@ -161,38 +155,6 @@ def test_peer_without_torch_says_how_to_install_it():
                       'ours': {c: 1.0 for c in peer.CONFIGS},
                       'torch_missing': peer.TORCH_MISSING})
   assert "torch not installed: pip install '.[peers]'" in text
-
-
-def test_recompute_records_bracket_r_and_b_separately(monkeypatch):
-  """Regression: the engine recorded B of a recomputing stage as (R end,
-  B start) — zero long — and the backward's compute fell outside every
-  record (walker._record paired 4 stamps as contiguous intervals). The
-  benchmark's workaround pairs them as brackets: B must not start on R's
-  end stamp."""
-  monkeypatch.setattr(walker.Walker, '_record', walker.Walker._record)
-  common.fix_recompute_records()  # Undone by monkeypatch after the test.
-  layers = [linear.FCLayer.Params().Set(name=f'fc{i}', input_dim=4,
-                                        output_dim=4) for i in range(2)]
-  net = gpipe.PipeliningLayer.Params().Set(
-      name='net', layers=layers, num_micro_batches=2,
-      input_shapes=[[4, 4]]).Instantiate()
-  seen = []
-
-  @tf.function
-  def step():
-    timeline = []
-    with tf.GradientTape() as tape:
-      with fprop_context.scope(training=True, timeline=timeline):
-        y = net.FProp(net.theta, tf.ones([4, 4]))
-      loss = tf.reduce_sum(y)
-    grads = tape.gradient(loss, net.trainable_variables)
-    seen.extend(timeline)
-    return grads
-
-  step.get_concrete_function()
-  by = {(s, m, kind): (start, end) for s, m, kind, start, end in seen}
-  for m in range(2):
-    assert by[(0, m, 'B')][0] is not by[(0, m, 'R')][1]
 
 
 def test_stale_section_renders_a_rerun_hint():

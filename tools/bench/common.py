@@ -7,17 +7,15 @@ median, never one after the other.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import gc
 import statistics
 import sys
 import time
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 import tensorflow as tf
 
-from lingvo_pipe.pipeline import walker
 from lingvo_pipe.core import fprop_context
 from lingvo_pipe.core import gpipe
 from lingvo_pipe.layers import linear
@@ -27,45 +25,6 @@ LEARNING_RATE = 1e-6  # Tiny SGD step: the weights (and timings) stay put.
 
 class BenchError(RuntimeError):
   """A benchmark cannot run as configured; the message names the flag."""
-
-
-def fix_recompute_records() -> None:
-  """Makes the engine record R and B of a recomputing stage correctly.
-
-  Workaround for an engine bug (reported; lingvo_pipe/pipeline/walker.py is
-  not the benchmark's to edit): `Walker._record(s, m, 'RB', times)` pairs
-  stamps as contiguous intervals (times[i], times[i+1]), but the
-  recomputing backward returns two brackets [R start, R end, B start,
-  B end], so every B record was (R end, B start), ~0 s long, and the
-  backward's compute fell into the gap after it. With 2·len(kinds) stamps
-  this pairs them as brackets; with len(kinds)+1 it keeps the contiguous
-  reading, so it stays correct once the engine is fixed.
-  """
-
-  def _record(self: Any, s: int, m: int, kinds: str,
-              times: list[tf.Tensor]) -> None:
-    if self.timeline is None:
-      return
-    if len(times) == 2 * len(kinds):
-      spans = [(times[2 * i], times[2 * i + 1]) for i in range(len(kinds))]
-    else:
-      spans = [(times[i], times[i + 1]) for i in range(len(kinds))]
-    for kind, (start, end) in zip(kinds, spans):
-      self.timeline.append((s, m, kind, start, end))
-
-  walker.Walker._record = _record  # pylint: disable=protected-access
-
-
-@contextlib.contextmanager
-def recompute_records_fixed() -> Iterator[None]:
-  """`fix_recompute_records` for a block, then the engine's own again (a
-  section may share its process with others: the tests)."""
-  original = walker.Walker._record  # pylint: disable=protected-access
-  fix_recompute_records()
-  try:
-    yield
-  finally:
-    walker.Walker._record = original  # pylint: disable=protected-access
 
 
 @dataclasses.dataclass(frozen=True)

@@ -150,8 +150,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     _pin_one_core()
   devices_lib.configure_logical_cpus(TRACE_K)
   common.log('overheads: pipeline vs hand-written vs recompute')
-  with common.recompute_records_fixed():
-    steps, ops = _versus(spec, '/device:CPU:0', reps)
+  steps, ops = _versus(spec, '/device:CPU:0', reps)
   common.log(f'overheads: tracing at M={TRACE_MS}')
   tracing = _tracing(spec, traces)
   growth = {}

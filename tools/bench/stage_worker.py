@@ -217,8 +217,6 @@ def main(argv: list[str]) -> None:
   path = None
   with processes.start_from_flags() as peers:
     import tensorflow as tf  # pylint: disable=g-import-not-at-top
-    from bench import common  # pylint: disable=g-import-not-at-top
-    common.fix_recompute_records()
     path = os.path.join(_OUT_DIR.value, f'task{peers.task}.json')
     out.update(task=peers.task, num_tasks=peers.num_tasks, pid=os.getpid(),
                cores=sorted(os.sched_getaffinity(0)))
