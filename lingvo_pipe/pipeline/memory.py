@@ -24,6 +24,10 @@ The model, per stage k (P = bytes of its parameters):
                  batch's input on stage 0 (micro-batches are views of it),
                  and the whole batch's output plus its loss gradient on the
                  last stage
+  transfers      with stage processes, on each side of a stage where a
+                 boundary crosses to another process, 2 of its buffers per
+                 micro-batch: the recv posted one op ahead (walker.py) and
+                 a send its receiver has not taken yet
 
 What it leaves out, so treat the budget as an upper bound minus a margin:
 tensors a layer keeps for its backward besides its outputs (FPropMeta
@@ -73,7 +77,7 @@ __all__ = ['COMPONENTS', 'MemoryBudgetError', 'MemoryPrediction',
 # Slot variables per parameter, as lingvo_pipe.core.optimizer creates them.
 OPTIMIZER_SLOTS = {'sgd': 1, 'adam': 2, 'rmsprop': 2}
 COMPONENTS = ('parameters', 'gradients', 'optimizer_slots', 'activations',
-           'workspace', 'io')
+              'workspace', 'io', 'transfers')
 
 
 class PreflightError(errors.LingvoPipeError):
@@ -93,6 +97,7 @@ class StageMemory:
   activations: float
   workspace: float
   io: float
+  transfers: float = 0.0
 
   @property
   def total(self) -> float:
@@ -142,7 +147,8 @@ def predict(metas: Sequence[Any], boundaries: Sequence[int],
             schedule: str = 'gpipe', recompute: str = 'always',
             optimizer: str | None = 'sgd',
             whole_batch_io: bool = True,
-            num_chunks: int = 1) -> MemoryPrediction:
+            num_chunks: int = 1,
+            stage_processes: bool = False) -> MemoryPrediction:
   """Each stage's (device's) predicted peak bytes for one training step.
 
   Args:
@@ -159,6 +165,8 @@ def predict(metas: Sequence[Any], boundaries: Sequence[int],
     num_chunks: virtual stages per device (schedule='interleaved'): the
       boundaries then cut K × num_chunks stages, stage s on device s mod K,
       and the prediction is per device.
+    stage_processes: whether each device is a process of its own, so
+      boundaries travel between processes (the `transfers` component).
 
   Raises:
     PreflightError: bad optimizer, boundaries, M, schedule or recompute.
@@ -198,10 +206,18 @@ def predict(metas: Sequence[Any], boundaries: Sequence[int],
       io += input_bytes if 0 in mine else 0.0
       io += 2.0 * metas[-1].out_bytes if len(costs) - 1 in mine else 0.0
     p = sum(costs[s].param_bytes for s in mine)
+    transfers = 0.0
+    if stage_processes and num_devices > 1:
+      for s in mine:  # Boundary bytes per micro-batch, each side.
+        if s > 0:
+          transfers += 2 * metas[bounds[s] - 1].out_bytes / m
+        if s < len(costs) - 1:
+          transfers += 2 * metas[bounds[s + 1] - 1].out_bytes / m
     out.append(StageMemory(
         parameters=p, gradients=p, optimizer_slots=slots * p,
         activations=sim.peak_activation_bytes[d],
-        workspace=2 * largest + (p if m > 1 else 0.0), io=io))
+        workspace=2 * largest + (p if m > 1 else 0.0), io=io,
+        transfers=transfers))
   return MemoryPrediction(tuple(out), m, schedule, recompute, optimizer)
 
 

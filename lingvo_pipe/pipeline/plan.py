@@ -171,7 +171,8 @@ class Plan:
                   schedule=p.schedule, recompute=p.recompute,
                   optimizer=p.memory_optimizer,
                   whole_batch_io=p.schedule == 'gpipe',
-                  num_chunks=self.num_chunks)
+                  num_chunks=self.num_chunks,
+                  stage_processes=placement.peers().num_tasks > 1)
     try:
       if num_micro_batches is None:
         return memory.choose_micro_batches(

@@ -76,6 +76,22 @@ def test_components_and_optimizer_slots():
   inside = memory.predict(metas, [0, 1, 4], 4, input_bytes=2 * MIB,
                           whole_batch_io=False)
   assert [s.io for s in inside.stages] == [0, 0]
+  assert [s.transfers for s in inside.stages] == [0, 0]  # One process.
+
+
+def test_stage_processes_hold_transfers_in_flight():
+  # Boundary after layer 1 (8 MiB for the batch): 2 MiB per micro-batch at
+  # M=4; each side holds 2 (a recv posted ahead, a send not yet taken).
+  metas = _metas(4, 8 * MIB, param_bytes=3 * MIB)
+  pred = memory.predict(metas, [0, 1, 4], 4, input_bytes=2 * MIB,
+                        stage_processes=True)
+  assert [s.transfers for s in pred.stages] == [4 * MIB, 4 * MIB]
+  assert pred.stages[0].total == memory.predict(
+      metas, [0, 1, 4], 4, input_bytes=2 * MIB).stages[0].total + 4 * MIB
+  three = memory.predict(metas, [0, 1, 2, 4], 4, input_bytes=2 * MIB,
+                         stage_processes=True)
+  assert three.stages[1].transfers == 8 * MIB  # Both sides.
+  assert 'transfers' in pred.to_text()
 
 
 def test_slot_counts_match_the_optimizers():
