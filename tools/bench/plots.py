@@ -61,7 +61,7 @@ def table1(s: dict[str, Any], path: str) -> None:
 
 
 def schedules(s: dict[str, Any], path: str) -> None:
-  """Activation peak of the fuller stage vs M, measured and simulated."""
+  """Activation peak of the fuller stage vs M, measured and predicted."""
   plt = _pyplot()
   fig, ax = plt.subplots(figsize=(6, 3.6))
   for schedule, recompute in (('gpipe', 'never'), ('1f1b', 'never'),
@@ -74,7 +74,7 @@ def schedules(s: dict[str, Any], path: str) -> None:
     line = ax.plot(ms, peak, 'o-', label=f'{schedule}, recompute '
                    f'{recompute}')[0]
     ax.plot(ms, sim, 's--', color=line.get_color(), alpha=0.6,
-            label='simulated')
+            label='predicted')
   ax.set_xlabel('micro-batches M (fixed micro-batch size)')
   ax.set_ylabel('activation peak, fuller stage (MiB)')
   ax.set_title('Activation memory per stage process, K=2', fontsize=10)

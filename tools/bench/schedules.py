@@ -9,8 +9,10 @@ BFC allocator (TF_CPU_ALLOCATOR_USE_BFC=true, set before TF starts): the
 peak over one training step minus the bytes in use before it (weights,
 optimizer-free SGD, the batch), minus one copy of the stage's weights (the
 accumulated gradients, which every schedule holds alike) = the activation
-peak. Predicted: the simulator's `peak_activation_bytes` of the same
-PipeliningLayer (FPropMeta bytes, the schedule's op times).
+peak. Predicted: the memory model (`memory.predict`) of the same
+PipeliningLayer — the simulator's activation peak (FPropMeta bytes on the
+schedule's op order), the backward's workspace and the transfers in
+flight.
 
 Step time. The same 2 processes run GPipe, 1F1B and interleaved 1F1B
 (v=2 virtual stages per process) at M=8, recompute always and never, timed
@@ -64,13 +66,18 @@ def _memory(cfg: dict[str, Any]) -> list[dict[str, Any]]:
     for task, result in enumerate(run.config(c['name'])):
       mem = result['memory']
       growth = mem['peak_bytes'] - mem['before_bytes']
+      pred = mem['predicted'][task]
       rows.append({'schedule': c['schedule'], 'recompute': c['recompute'],
                    'M': c['M'], 'stage': task,
                    'growth_mib': growth / MIB,
                    'grads_mib': mem['param_bytes'] / MIB,
                    'activation_mib': (growth - mem['param_bytes']) / MIB,
-                   'predicted_mib':
-                       mem['sim_peak_activation_bytes'][task] / MIB})
+                   'sim_mib': pred['activation_bytes'] / MIB,
+                   'workspace_mib': pred['workspace_bytes'] / MIB,
+                   'transfers_mib': pred['transfer_bytes'] / MIB,
+                   'predicted_mib': (pred['activation_bytes'] +
+                                     pred['workspace_bytes'] +
+                                     pred['transfer_bytes']) / MIB})
   return rows
 
 
@@ -115,7 +122,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
       report.target(f'GPipe growth M={lo} → M={hi} (∝ M: {hi // lo}×)',
                     gp(hi) / gp(lo), '>=', 0.75 * hi / lo),
       report.target(
-          f'simulator, worst |predicted ÷ measured − 1| (stage '
+          f'memory model, worst |predicted ÷ measured − 1| (stage '
           f'{worst["stage"]}, {worst["schedule"]}, M={worst["M"]})',
           sim_error, '<=', TARGET_SIM, ''),
       report.target(f'step time 1F1B ÷ GPipe, K={K}, M={TIME_M}, '
@@ -142,7 +149,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def render(s: dict[str, Any]) -> str:
   mem = [[r['schedule'], r['recompute'], r['M'], r['stage'], r['growth_mib'],
-          r['grads_mib'], r['activation_mib'], r['predicted_mib'],
+          r['grads_mib'], r['activation_mib'], r.get('sim_mib', '–'),
+          r.get('workspace_mib', '–'), r.get('transfers_mib', '–'),
+          r['predicted_mib'],
           f'{r["predicted_mib"] / max(r["activation_mib"], 1e-9):.2f}']
          for r in s['memory']]
   t = s['step_s']
@@ -152,11 +161,19 @@ def render(s: dict[str, Any]) -> str:
       f'**Memory** — {s["memory_network"]}, K={K} stage processes; per '
       'process: allocator peak over one step − bytes in use before it '
       '(= step growth); − one copy of the stage\'s weights (its gradients) '
-      '= activations.',
+      '= activations. Predicted by the memory model (`memory.predict`, from '
+      'FPropMeta): the simulator\'s activation peak on the schedule\'s op '
+      'order, plus the backward\'s workspace (the gradient into and out of '
+      'a layer, and one micro-batch\'s weight gradient before it joins the '
+      'sum), plus the transfers in flight (per boundary a stage process '
+      'crosses: a recv posted one op ahead and a send not yet taken). The '
+      'batch is a variable, resident before the step, in neither figure.',
       '',
       report.table(['schedule', 'recompute', 'M', 'stage', 'step growth '
                     '(MiB)', 'gradients (MiB)', 'activations (MiB)',
-                    'simulator (MiB)', 'simulator ÷ measured'], mem),
+                    'simulator (MiB)', 'workspace (MiB)', 'transfers (MiB)',
+                    'predicted (MiB)',
+                    'predicted ÷ measured'], mem),
       '',
       '![Activation memory per stage vs M](schedules_memory.png)',
       '',
@@ -186,10 +203,15 @@ def _limits(s: dict[str, Any]) -> str:
         for r in one) + ' — what stays is the gradients\' transients and the '
         'in-flight micro-batches (K−k on stage k)')
   if 3 in failed:
-    notes.append('the simulator counts FPropMeta output bytes per layer '
-                 '(boundary + activations); the measurement adds what the '
-                 'tape keeps beside them (ReLU masks, matmul inputs) and '
-                 'transients of one op')
+    notes.append('the memory model counts FPropMeta output bytes per layer '
+                 '(boundary + activations), a backward\'s workspace of 2 '
+                 'gradients and the transfers in flight; TF\'s executor runs '
+                 'a backward\'s chain of input gradients first and the '
+                 'weight gradients last, so each layer\'s output gradient '
+                 'and input stay until then: a backward briefly holds up to '
+                 'about one more micro-batch of the stage\'s activations '
+                 '(profiler allocation events), which the model does not '
+                 'count')
   if failed & {4, 5}:
     t = s['step_s']
     notes.append(f'1F1B interleaves each stage\'s forwards and backwards, so '

@@ -23,7 +23,8 @@ timeline of `record` recorded steps (absolute `tf.timestamp` seconds:
 comparable across the processes of one host), TF's allocator peak over one
 step and the bytes in use before it (TF_CPU_ALLOCATOR_USE_BFC=true, set by
 the harness before TF starts; TF_CPU_BFC_MEM_LIMIT_IN_MB caps it), peak
-RSS, and the simulator's prediction of each device's activation peak.
+RSS, and the memory model's prediction of each device's activations,
+workspace and transfers in flight (memory.py).
 A step that runs out of memory ends the task with `"oom": true` written.
 """
 
@@ -162,9 +163,22 @@ class _Config:
         'param_bytes': sum(int(v.shape.num_elements()) * 4
                            for v in self.net.trainable_variables)}
     if self.cfg.get('kind') != 'hand':
-      sim = self.net.Simulate(schedule=self.cfg.get('schedule', 'gpipe'))
-      self.result['memory']['sim_peak_activation_bytes'] = list(
-          sim.peak_activation_bytes)
+      # The memory model (memory.py): the simulator's activation peak, the
+      # backward's workspace and the transfers in flight. The batch is
+      # resident before the step (a variable; micro-batches are views of
+      # it), as with whole-batch io, whose io is then not counted.
+      from lingvo_pipe.pipeline import memory as memory_lib  # pylint: disable=C0415
+      schedule = self.cfg.get('schedule', 'gpipe')
+      pred = memory_lib.predict(
+          self.net.metas, self.net.boundaries, self.cfg['M'],
+          input_bytes=self.cfg['net'][1] * self.cfg['net'][2] * 4,
+          schedule=schedule, recompute=self.cfg.get('recompute', 'always'),
+          optimizer=None, whole_batch_io=True,
+          num_chunks=self.cfg.get('chunks', 2) if schedule == 'interleaved'
+          else 1, stage_processes=self.cfg['scope'] == 'run')
+      self.result['memory']['predicted'] = [
+          {'activation_bytes': s.activations, 'workspace_bytes': s.workspace,
+           'transfer_bytes': s.transfers} for s in pred.stages]
 
 
 def _run(tf: Any, spec: dict[str, Any], peers: Any, out: dict[str, Any]
