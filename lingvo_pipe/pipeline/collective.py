@@ -32,11 +32,13 @@ Why it looks like this (each point was measured on TF 2.21):
   (`barrier(after=...)`). Order recvs with `after` instead: a recv posted
   behind an earlier op of its device is what bounds the activations a
   stage holds (1F1B's memory bound); a recv with no `after` is posted at the
-  step's start. Post it behind the op *before* the previous one, not the
-  previous one: the transfer then overlaps that op's compute, for one more
-  buffered activation (tools/probe_collective.py --recv_lookahead: the gap
-  between a tensor being ready and its consumer starting fell from ~5 ms to
-  0.05 ms at K=2, 1 MiB).
+  step's start. `after` is a data dependency of the recv (`_ready`): as
+  control edges, Grappler dropped them. Post a recv some ops before its
+  reader, not behind the previous one: a recv posted before its send gets
+  the data as soon as it is sent, one posted after waits a round trip
+  (tools/probe_collective.py --recv_lookahead: the gap between a tensor being
+  ready and its consumer starting fell from ~5 ms to 0.05 ms at K=2, 1 MiB,
+  one op ahead; the walker posts 3 ops ahead, `walker.RECV_LOOKAHEAD`).
 - Collective ops are asynchronous in a `tf.function`: automatic control
   dependencies neither order nor keep them. A send whose token nobody uses
   would be pruned, and its receiver would wait out the timeout; `send` marks
