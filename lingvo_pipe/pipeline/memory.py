@@ -25,9 +25,10 @@ The model, per stage k (P = bytes of its parameters):
                  and the whole batch's output plus its loss gradient on the
                  last stage
   transfers      with stage processes, on each side of a stage where a
-                 boundary crosses to another process, 2 of its buffers per
-                 micro-batch: the recv posted one op ahead (walker.py) and
-                 a send its receiver has not taken yet
+                 boundary crosses to another process, TRANSFER_BUFFERS of
+                 its buffers per micro-batch: the recvs posted ahead of
+                 their reader (walker.RECV_LOOKAHEAD) and a send its
+                 receiver has not taken yet
 
 What it leaves out, so treat the budget as an upper bound minus a margin:
 tensors a layer keeps for its backward besides its outputs (FPropMeta
@@ -76,6 +77,9 @@ __all__ = ['COMPONENTS', 'MemoryBudgetError', 'MemoryPrediction',
 
 # Slot variables per parameter, as lingvo_pipe.core.optimizer creates them.
 OPTIMIZER_SLOTS = {'sgd': 1, 'adam': 2, 'rmsprop': 2}
+# Boundary buffers per micro-batch in flight on each side of a stage process:
+# walker.RECV_LOOKAHEAD recvs posted ahead, and one send (tests check it).
+TRANSFER_BUFFERS = 4
 COMPONENTS = ('parameters', 'gradients', 'optimizer_slots', 'activations',
               'workspace', 'io', 'transfers')
 
@@ -210,9 +214,10 @@ def predict(metas: Sequence[Any], boundaries: Sequence[int],
     if stage_processes and num_devices > 1:
       for s in mine:  # Boundary bytes per micro-batch, each side.
         if s > 0:
-          transfers += 2 * metas[bounds[s] - 1].out_bytes / m
+          transfers += TRANSFER_BUFFERS * metas[bounds[s] - 1].out_bytes / m
         if s < len(costs) - 1:
-          transfers += 2 * metas[bounds[s + 1] - 1].out_bytes / m
+          transfers += (TRANSFER_BUFFERS *
+                        metas[bounds[s + 1] - 1].out_bytes / m)
     out.append(StageMemory(
         parameters=p, gradients=p, optimizer_slots=slots * p,
         activations=sim.peak_activation_bytes[d],

@@ -7,6 +7,7 @@ from lingvo_pipe.core import optimizer
 from lingvo_pipe.core.base_layer import LayerMeta
 from lingvo_pipe.layers import linear
 from lingvo_pipe.pipeline import memory
+from lingvo_pipe.pipeline import walker
 from lingvo_pipe.pipeline.memory import MemoryBudgetError, PreflightError
 
 MIB = 2**20
@@ -80,17 +81,20 @@ def test_components_and_optimizer_slots():
 
 
 def test_stage_processes_hold_transfers_in_flight():
+  # The recvs the walker posts ahead of their reader, and one send.
+  n = memory.TRANSFER_BUFFERS
+  assert n == walker.RECV_LOOKAHEAD + 1
   # Boundary after layer 1 (8 MiB for the batch): 2 MiB per micro-batch at
-  # M=4; each side holds 2 (a recv posted ahead, a send not yet taken).
+  # M=4, n of them on each side of the boundary.
   metas = _metas(4, 8 * MIB, param_bytes=3 * MIB)
   pred = memory.predict(metas, [0, 1, 4], 4, input_bytes=2 * MIB,
                         stage_processes=True)
-  assert [s.transfers for s in pred.stages] == [4 * MIB, 4 * MIB]
+  assert [s.transfers for s in pred.stages] == [n * 2 * MIB, n * 2 * MIB]
   assert pred.stages[0].total == memory.predict(
-      metas, [0, 1, 4], 4, input_bytes=2 * MIB).stages[0].total + 4 * MIB
+      metas, [0, 1, 4], 4, input_bytes=2 * MIB).stages[0].total + n * 2 * MIB
   three = memory.predict(metas, [0, 1, 2, 4], 4, input_bytes=2 * MIB,
                          stage_processes=True)
-  assert three.stages[1].transfers == 8 * MIB  # Both sides.
+  assert three.stages[1].transfers == 2 * n * 2 * MIB  # Both sides.
   assert 'transfers' in pred.to_text()
 
 

@@ -166,7 +166,8 @@ def render(s: dict[str, Any]) -> str:
       'order, plus the backward\'s workspace (the gradient into and out of '
       'a layer, and one micro-batch\'s weight gradient before it joins the '
       'sum), plus the transfers in flight (per boundary a stage process '
-      'crosses: a recv posted one op ahead and a send not yet taken). The '
+      'crosses: the recvs posted ahead of their reader and a send not yet '
+      'taken). The '
       'batch is a variable, resident before the step, in neither figure.',
       '',
       report.table(['schedule', 'recompute', 'M', 'stage', 'step growth '
