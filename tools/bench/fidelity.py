@@ -14,7 +14,13 @@ calibrate the model, every other one is predicted from them:
   spans, Σwork + 3·M·overhead, give both.
 * K=2, M=1 (GPipe): each stage's own op times (a profile of the placed
   stages, as PipeDream profiles its stages) and the transfer time, the part
-  of the measured step that the op times do not explain.
+  of the measured step that the op times do not explain. A transfer's time
+  is taken ∝ its bytes, so ∝ 1/M (a micro-batch's boundary is the batch's
+  ÷ M): between stage processes on one host a boundary travels through
+  gRPC at ~3 ms per MiB (tools/probe_collective.py), and at M=1 the whole
+  batch's 2 MiB crosses each hop. A constant per-hop time, fitted at M=1,
+  made 1F1B — whose steady state waits a round trip per micro-batch at
+  K=2 — 15–26% slower than measured at M=8 and 16.
 
 The measured step is the span of the recorded timeline (first op start to
 last op end, over both processes: one host, one clock), which is what the
@@ -130,7 +136,7 @@ def _round(cfg: dict[str, Any], index: int) -> dict[str, Any]:
   rows = []
   for (k, m, s), meas in sorted(measured.items()):
     stage_models, t = models[k]
-    predicted = predict(stage_models, m, s, t)
+    predicted = predict(stage_models, m, s, t / m)
     rows.append({'K': k, 'M': m, 'schedule': s, 'measured_s': meas['span_s'],
                  'wall_s': meas['wall_s'], 'predicted_s': predicted.step_time,
                  'error': predicted.step_time / meas['span_s'] - 1.0,
@@ -179,9 +185,11 @@ def render(s: dict[str, Any]) -> str:
       f'M={s["m_max"]} and K=2 at M=1 (GPipe); every other row is a '
       f'prediction. Last round: work per layer forward {ms("F")}, recompute '
       f'{ms("R")}, backward {ms("B")}, plus {pl["F"][1] * 1e3:.2g} ms per op; '
-      f'transfer {last["transfer_s"] * 1e3:.2g} ms per hop.',
+      f'transfer {last["transfer_s"] * 1e3:.2g} ms per hop at M=1, ÷ M at '
+      'M (∝ the boundary\'s bytes).',
       '',
-      report.table(['round', 'worst error', 'where', 'fitted transfer (ms)'],
+      report.table(['round', 'worst error', 'where',
+                    'fitted transfer at M=1 (ms)'],
                    errors),
       '',
       'The last round in full:',
