@@ -13,14 +13,19 @@ calibrate the model, every other one is predicted from them:
   next op, small-matmul inefficiency, accumulation) does not. The two
   spans, Σwork + 3·M·overhead, give both.
 * K=2, M=1 (GPipe): each stage's own op times (a profile of the placed
-  stages, as PipeDream profiles its stages) and the transfer time, the part
-  of the measured step that the op times do not explain. A transfer's time
-  is taken ∝ its bytes, so ∝ 1/M (a micro-batch's boundary is the batch's
-  ÷ M): between stage processes on one host a boundary travels through
-  gRPC at ~3 ms per MiB (tools/probe_collective.py), and at M=1 the whole
-  batch's 2 MiB crosses each hop. A constant per-hop time, fitted at M=1,
-  made 1F1B — whose steady state waits a round trip per micro-batch at
-  K=2 — 15–26% slower than measured at M=8 and 16.
+  stages, as PipeDream profiles its stages) and the transfer time t1, the
+  part of the measured step that the op times do not explain.
+* K=2, M=M_max (GPipe): the latency of a hop — the median handoff gap
+  (input ready and stage free → op starts) when boundaries are smallest.
+
+A transfer at M then takes latency + (t1 − latency) / M: its bytes are the
+batch's ÷ M, and between stage processes on one host they travel through
+gRPC at ~3 ms per MiB (tools/probe_collective.py; at M=1 the whole batch's
+2 MiB crosses each hop), after a latency that does not shrink: the
+receiving process must be woken and scheduled. A constant per-hop time
+(t1 at every M) made 1F1B — whose steady state waits a round trip per
+micro-batch at K=2 — 15–26% slower than measured at M=8 and 16; one ∝ 1/M
+alone made it 19% faster.
 
 The measured step is the span of the recorded timeline (first op start to
 last op end, over both processes: one host, one clock), which is what the
@@ -77,7 +82,9 @@ def _launch(net: common.NetSpec, m: int, record: int
                                           for costs in per_step)
                   for kind in timeline.KINDS}
                  for k in range(len(per_step[0]))],
-        'overlap': timeline.overlap_fraction(median_step)}
+        'overlap': timeline.overlap_fraction(median_step),
+        'handoff_s': statistics.median(
+            stage_procs.handoff_gaps(median_step, c['K']) or [0.0])}
   return out
 
 
@@ -130,13 +137,15 @@ def _round(cfg: dict[str, Any], index: int) -> dict[str, Any]:
          for kind, (_, o) in k1.items()}
         for times in measured[(2, 1, CALIBRATION)]['op_s']]
   transfer = fit_transfer(k2, measured[(2, 1, CALIBRATION)]['span_s'])
+  latency = min(transfer, measured[(2, m_max, CALIBRATION)]['handoff_s'])
   models = {1: ([k1], 0.0), 2: (k2, transfer)}
   calibration = {(1, 1, CALIBRATION), (1, m_max, CALIBRATION),
-                 (2, 1, CALIBRATION)}
+                 (2, 1, CALIBRATION), (2, m_max, CALIBRATION)}
   rows = []
   for (k, m, s), meas in sorted(measured.items()):
     stage_models, t = models[k]
-    predicted = predict(stage_models, m, s, t / m)
+    hop = latency + (t - latency) / m if k > 1 else 0.0
+    predicted = predict(stage_models, m, s, hop)
     rows.append({'K': k, 'M': m, 'schedule': s, 'measured_s': meas['span_s'],
                  'wall_s': meas['wall_s'], 'predicted_s': predicted.step_time,
                  'error': predicted.step_time / meas['span_s'] - 1.0,
@@ -147,6 +156,7 @@ def _round(cfg: dict[str, Any], index: int) -> dict[str, Any]:
   worst = max((r for r in rows if not r['calibration']),
               key=lambda r: abs(r['error']))
   return {'rows': rows, 'worst': worst, 'transfer_s': transfer,
+          'latency_s': latency,
           'per_layer_s': {kind: (w / net.num_layers, o)
                           for kind, (w, o) in k1.items()}}
 
@@ -182,11 +192,14 @@ def render(s: dict[str, Any]) -> str:
       f'Network: {s["network"]}; recompute=always; K=2 on two stage '
       'processes, K=1 in one of them. Per configuration: medians over '
       f'{s["record"]} recorded steps. Calibrated on K=1 at M=1 and '
-      f'M={s["m_max"]} and K=2 at M=1 (GPipe); every other row is a '
-      f'prediction. Last round: work per layer forward {ms("F")}, recompute '
-      f'{ms("R")}, backward {ms("B")}, plus {pl["F"][1] * 1e3:.2g} ms per op; '
-      f'transfer {last["transfer_s"] * 1e3:.2g} ms per hop at M=1, ÷ M at '
-      'M (∝ the boundary\'s bytes).',
+      f'M={s["m_max"]}, K=2 at M=1 (op times, transfer) and K=2 at '
+      f'M={s["m_max"]} (hop latency: the median handoff gap), GPipe; every '
+      'other row is a prediction. Last round: work per layer forward '
+      f'{ms("F")}, recompute {ms("R")}, backward {ms("B")}, plus '
+      f'{pl["F"][1] * 1e3:.2g} ms per op; a hop at M takes '
+      f'{last.get("latency_s", 0.0) * 1e3:.2g} ms + '
+      f'{(last["transfer_s"] - last.get("latency_s", 0.0)) * 1e3:.2g} ms / M '
+      '(latency + the boundary\'s bytes).',
       '',
       report.table(['round', 'worst error', 'where',
                     'fitted transfer at M=1 (ms)'],
@@ -215,6 +228,14 @@ def _limits(s: dict[str, Any]) -> str:
   if w['K'] == 1:
     notes.append('op times at this M are not `work / M + overhead` between '
                  'the two calibration points')
+  elif w['wall_s'] < 0.95 * w['measured_s']:
+    notes.append(
+        f'the recorded step spans {w["measured_s"]:.3g} s, but the same '
+        f'step unrecorded takes {w["wall_s"]:.3g} s wall-clock, SGD update '
+        'and all-reduce included: the timestamps slow this step down '
+        f'(stages busy at once {100 * w["overlap"]:.0f}% vs '
+        f'{100 * w["overlap_predicted"]:.0f}% simulated), and the prediction '
+        f'({w["predicted_s"]:.3g} s, from op times) does not include them')
   else:
     notes.append(
         f'the stages were busy at once {100 * w["overlap"]:.0f}% of their '
