@@ -70,11 +70,40 @@ def chained(x: Any, after: Sequence[tf.Tensor]) -> Any:
         lambda t: t if t is None else tf.identity(t), x)
 
 
+_STAMPS: dict[str, Callable[..., tf.Tensor]] = {}
+
+
+def _stamp(device: str | None, waited: Sequence[tf.Tensor]) -> tf.Tensor:
+  """`tf.timestamp()` once every tensor in `waited` exists.
+
+  In a graph the stamp comes out of a `_noinline` function of `waited`, so
+  it waits by data: as a control edge the wait was lost where Grappler
+  rewrote the ops it named (the loss stage's `value * weight`), and the
+  last stage's forwards were recorded as ~0 s long.
+  """
+  if tf.executing_eagerly():
+    return tf.timestamp()
+  key = device or ''
+  if key not in _STAMPS:
+    def _now(*tensors: tf.Tensor) -> tf.Tensor:
+      with tf.device(device), tf.control_dependencies(tensors):
+        return tf.timestamp()
+    _STAMPS[key] = tf.function(_now, autograph=False,
+                               experimental_attributes={'_noinline': True})
+  return _STAMPS[key](*waited)
+
+
 class Clock:
   """Stamps the start and end of each piece of an op, if `on`."""
 
-  def __init__(self, on: bool) -> None:
+  def __init__(self, on: bool, device: str | None = None) -> None:
     self.on = on
+    self.device = device
+
+  def on_device(self, device: str) -> 'Clock':
+    """This clock, stamping on `device` (a called function's ops do not
+    inherit the caller's device)."""
+    return Clock(self.on, device)
 
   def __call__(self, fn: Callable[[], Any], inputs: Sequence[tf.Tensor],
                outputs: Callable[[Any], Sequence[tf.Tensor]]
@@ -82,12 +111,10 @@ class Clock:
     """Runs `fn()`; returns its result and [start, end] stamps (or [])."""
     if not self.on:
       return fn(), []
-    with tf.control_dependencies(list(inputs)):
-      start = tf.timestamp()
+    start = _stamp(self.device, list(inputs))
     with tf.control_dependencies([start]):
       result = fn()
-    with tf.control_dependencies(list(outputs(result))):
-      end = tf.timestamp()
+    end = _stamp(self.device, list(outputs(result)))
     return result, [start, end]
 
 
@@ -104,7 +131,7 @@ class StageOps:
     """
     self.stage = stage
     self.scope = scope
-    self.clock = clock
+    self.clock = clock.on_device(stage.device)
     self.recomputes = recomputes
     # Eagerly (debugging, tests) the bodies run op by op: tracing them per
     # call would only add time. '_noinline' keeps each call a call, so the
