@@ -139,7 +139,8 @@ def test_one_f_one_b_holds_the_same_activations_at_any_m(tmp_path):
     growth = json.loads(path.read_text())
     extra = {s: growth[f'{s} 16'] - growth[f'{s} 4'] for s in ('1f1b',
                                                               'gpipe')}
-    # A transfer more or less in flight moves the peak by a boundary or two.
-    assert extra['1f1b'] < 3 * boundary, (t, growth)
+    # Transfers in flight (up to walker.RECV_LOOKAHEAD recvs and a send per
+    # side) move the peak by a few boundaries; the bug added 12.
+    assert extra['1f1b'] < 6 * boundary, (t, growth)
     # GPipe: 12 more micro-batches × 4 layers' outputs each.
     assert extra['gpipe'] > 0.75 * 12 * 4 * boundary, (t, growth)
