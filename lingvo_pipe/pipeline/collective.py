@@ -69,7 +69,7 @@ import dataclasses
 import hashlib
 import re
 import weakref
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import tensorflow as tf
 
@@ -417,34 +417,48 @@ def _deps(after: Iterable[Any]) -> list[Any]:
   return [d for d in tf.nest.flatten(list(after)) if d is not None]
 
 
-_READY: dict[str, Any] = {}
+_AFTER: dict[tuple[str | None, Any], Any] = {}
+
+
+def made_after(device: str | None, tensors: Sequence[tf.Tensor],
+               make: Callable[[], tf.Tensor]) -> tf.Tensor:
+  """`make()` on `device`, once every tensor in `tensors` exists.
+
+  In a graph the result comes out of a `_noinline` function of `tensors`,
+  so it waits by data, a boundary Grappler does not fold across. As control
+  edges the waits were lost where Grappler rewrote the ops they named (e.g.
+  a loss `value * weight` with `value = sum / weight`): every recv of the
+  last stage was posted at the step's start, its 1F1B activations grew with
+  M (profiler allocation events), and its forwards' end stamps fired early.
+  `make` is a module-level function (one traced function per device and
+  `make`).
+  """
+  if tf.executing_eagerly():
+    return make()
+  key = (device, make)
+  if key not in _AFTER:
+    def _made(*waited: tf.Tensor) -> tf.Tensor:
+      with tf.device(device), tf.control_dependencies(waited):
+        return make()
+    _AFTER[key] = tf.function(_made, autograph=False,
+                              experimental_attributes={'_noinline': True})
+  return _AFTER[key](*tensors)
+
+
+def _zero() -> tf.Tensor:
+  return tf.constant(0, tf.int32)
 
 
 def _ready(device: str, after: Iterable[Any]) -> tf.Tensor | None:
-  """An int32 zero that exists only once every tensor in `after` does.
-
-  A recv takes it as a data input (added to its instance key), so it cannot
-  be posted earlier. A control edge was not enough: Grappler rewrites the
-  ops it names (e.g. a loss `value * weight` with `value = sum / weight`)
-  and dropped the recv's control edges with them; every recv of the last
-  stage was then posted at the step's start and its 1F1B activations grew
-  with M (profiler allocation events). The zero comes out of a `_noinline`
-  function of the `after` tensors, a boundary Grappler does not fold across.
-  """
+  """An int32 zero that exists only once every tensor in `after` does; a
+  recv adds it to its instance key, so it cannot be posted earlier."""
   deps = _deps(after)
   if not deps or tf.executing_eagerly():
     return None
   tensors = [d for d in deps if isinstance(d, tf.Tensor)]
   ops = [d for d in deps if not isinstance(d, tf.Tensor)]
-  if device not in _READY:
-    def _zero(*waited: tf.Tensor) -> tf.Tensor:
-      with tf.device(device), tf.control_dependencies(waited):
-        return tf.constant(0, tf.int32)
-    _READY[device] = tf.function(
-        _zero, autograph=False,
-        experimental_attributes={'_noinline': True})
   with tf.control_dependencies(ops):
-    return _READY[device](*tensors)
+    return made_after(device, tensors, _zero)
 
 
 def _run_even_if_unused(op: tf.Tensor) -> None:

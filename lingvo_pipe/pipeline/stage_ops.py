@@ -37,6 +37,7 @@ from typing import Any, Callable, Sequence
 import tensorflow as tf
 
 from lingvo_pipe.core.fprop_context import StatsCollector
+from lingvo_pipe.pipeline import collective
 
 StageFn = Callable[..., tuple[Any, ...]]
 
@@ -70,29 +71,6 @@ def chained(x: Any, after: Sequence[tf.Tensor]) -> Any:
         lambda t: t if t is None else tf.identity(t), x)
 
 
-_STAMPS: dict[str, Callable[..., tf.Tensor]] = {}
-
-
-def _stamp(device: str | None, waited: Sequence[tf.Tensor]) -> tf.Tensor:
-  """`tf.timestamp()` once every tensor in `waited` exists.
-
-  In a graph the stamp comes out of a `_noinline` function of `waited`, so
-  it waits by data: as a control edge the wait was lost where Grappler
-  rewrote the ops it named (the loss stage's `value * weight`), and the
-  last stage's forwards were recorded as ~0 s long.
-  """
-  if tf.executing_eagerly():
-    return tf.timestamp()
-  key = device or ''
-  if key not in _STAMPS:
-    def _now(*tensors: tf.Tensor) -> tf.Tensor:
-      with tf.device(device), tf.control_dependencies(tensors):
-        return tf.timestamp()
-    _STAMPS[key] = tf.function(_now, autograph=False,
-                               experimental_attributes={'_noinline': True})
-  return _STAMPS[key](*waited)
-
-
 class Clock:
   """Stamps the start and end of each piece of an op, if `on`."""
 
@@ -111,10 +89,12 @@ class Clock:
     """Runs `fn()`; returns its result and [start, end] stamps (or [])."""
     if not self.on:
       return fn(), []
-    start = _stamp(self.device, list(inputs))
+    # Each stamp waits by data (collective.made_after explains why).
+    start = collective.made_after(self.device, list(inputs), tf.timestamp)
     with tf.control_dependencies([start]):
       result = fn()
-    end = _stamp(self.device, list(outputs(result)))
+    end = collective.made_after(self.device, list(outputs(result)),
+                                tf.timestamp)
     return result, [start, end]
 
 
