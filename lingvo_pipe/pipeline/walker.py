@@ -128,8 +128,8 @@ class Walker:
     self.side: list[Any] | None = None  # Labels, per micro-batch.
     self.tapes: dict[tuple[int, int], tf.GradientTape] = {}
     self.acc: list[Any] = [None] * len(stages)
-    self.chain: list[list[tf.Tensor]] = [[] for _ in range(len(schedule))]
-    # Each device's latest chains, oldest first: where a recv is posted.
+    # Each device's latest ops' outputs, oldest first: the last one is what
+    # its next op waits on, the first where a recv is posted.
     self.done: list[list[list[tf.Tensor]]] = [[] for _ in range(len(schedule))]
     self.stats = [StatsCollector() for _ in stages]
     self.tokens: list[tf.Tensor] = []  # Sends; the step's end waits on them.
@@ -171,11 +171,10 @@ class Walker:
 
   def _after(self, d: int) -> list[tf.Tensor]:
     # Never empty, so a body is traced once, not once more for its first call.
-    return self.chain[d] or [tf.zeros([])]
+    return (self.done[d] or [[]])[-1] or [tf.zeros([])]
 
   def _advance(self, d: int, tensors: list[tf.Tensor]) -> None:
     """Device d's next op waits on `tensors`."""
-    self.chain[d] = tensors
     self.done[d] = (self.done[d] + [tensors])[-(RECV_LOOKAHEAD + 1):]
 
   def _send(self, value: Any, s: int, key: tuple[Any, ...]) -> None:
