@@ -62,18 +62,30 @@ def _say(text: str) -> None:
     sys.stderr.flush()
 
 
-def free_ports(host: str, count: int) -> list[int]:
-  """`count` distinct ports that were free on `host` just now."""
+def reserve_ports(host: str, count: int) -> list[socket.socket]:
+  """`count` sockets, each holding a distinct free port of `host`.
+
+  A port that is found free and let go can be taken before the task meant
+  to listen on it is up (importing TF takes seconds): under `bazel test`,
+  a concurrent test's cluster got one, and a restart's tasks met it at
+  start-up ("connects to a wrong cluster"). So the caller keeps these
+  sockets open while its tasks run. Each binds without SO_REUSEADDR, so no
+  other socket shares the port, then sets it: a gRPC server (which sets it
+  too) can still listen there, while plain binds and the kernel's choice
+  of a free port keep off it.
+  """
   socks = []
   try:
     for _ in range(count):
       s = socket.socket()
-      s.bind((host, 0))
       socks.append(s)
-    return [s.getsockname()[1] for s in socks]
-  finally:
+      s.bind((host, 0))
+      s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+  except OSError:
     for s in socks:
       s.close()
+    raise
+  return socks
 
 
 class Launcher:
@@ -225,8 +237,9 @@ def main(argv: list[str]) -> None:
              f'--num_replicas={r} must both be ≥ 1.')
   n = k * r
   host = _HOST.value
+  held = [] if _BASE_PORT.value else reserve_ports(host, n)
   ports = ([_BASE_PORT.value + i for i in range(n)] if _BASE_PORT.value else
-           free_ports(host, n))
+           [s.getsockname()[1] for s in held])
   addresses = [f'{host}:{p}' for p in ports]
   ncpu = os.cpu_count() or 1
   cores = [i % ncpu if _PIN_CORES.value else None for i in range(n)]
@@ -239,7 +252,10 @@ def main(argv: list[str]) -> None:
   signal.signal(signal.SIGTERM, launcher.forward)
   launcher.start()
   _say('pids ' + ' '.join(map(str, launcher.pids)) + ' (task 0 first)')
-  sys.exit(launcher.wait())
+  status = launcher.wait()
+  for s in held:
+    s.close()
+  sys.exit(status)
 
 
 def run() -> None:

@@ -6,10 +6,11 @@ happened; `Tasks` does the same for a test that drives processes itself.
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
+
+from lingvo_pipe import launch
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)),
                       'runtime_worker.py')
@@ -22,14 +23,13 @@ def env() -> dict:
               CUDA_VISIBLE_DEVICES='')
 
 
+_HELD = []  # Reserved ports stay held while this test process lives.
+
+
 def free_ports(count: int) -> list:
-  socks = [socket.socket() for _ in range(count)]
-  for s in socks:
-    s.bind(('127.0.0.1', 0))
-  ports = [s.getsockname()[1] for s in socks]
-  for s in socks:
-    s.close()
-  return ports
+  socks = launch.reserve_ports('127.0.0.1', count)
+  _HELD.extend(socks)
+  return [s.getsockname()[1] for s in socks]
 
 
 def spec(ports) -> str:

@@ -11,6 +11,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 
@@ -95,5 +96,24 @@ def test_task_commands_name_the_cluster_and_the_task():
                              '--cluster_spec=worker=127.0.0.1:5,127.0.0.1:6',
                              '--task=1']
   assert launch.task_commands('w.py', [], ['h:1'])[0][1] == 'w.py'
-  ports = launch.free_ports('127.0.0.1', 4)
+
+
+def test_reserved_ports_are_distinct_and_kept_off_until_let_go():
+  held = launch.reserve_ports('127.0.0.1', 4)
+  ports = [s.getsockname()[1] for s in held]
   assert len(set(ports)) == 4
+  others = launch.reserve_ports('127.0.0.1', 64)
+  assert not set(ports) & {s.getsockname()[1] for s in others}
+  for s in others:
+    s.close()
+  plain = socket.socket()
+  with pytest.raises(OSError):
+    plain.bind(('127.0.0.1', ports[0]))
+  listener = socket.socket()  # What a gRPC server does: SO_REUSEADDR, listen.
+  listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+  listener.bind(('127.0.0.1', ports[0]))
+  listener.listen()
+  for s in held + [listener]:
+    s.close()
+  plain.bind(('127.0.0.1', ports[1]))
+  plain.close()
