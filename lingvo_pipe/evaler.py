@@ -52,6 +52,7 @@ from absl import logging
 import numpy as np
 import tensorflow as tf
 
+from lingvo_pipe.core import base_input_generator
 from lingvo_pipe.core import checkpoints
 from lingvo_pipe.pipeline import devices
 from lingvo_pipe.core import fprop_context
@@ -159,7 +160,8 @@ class Evaler:
       return None
     aggregator = self.task.CreateEvalAggregator()
     num_examples = 0
-    for batch in self._input.EvalDataset():
+    for batch in base_input_generator.without_autotune_thread(
+        self._input.EvalDataset()):
       outputs = self._eval_fn(batch)
       num_examples += int(tf.nest.flatten(batch)[0].shape[0])
       aggregator.Update(_numpy(batch), _numpy(outputs))

@@ -252,7 +252,8 @@ class Trainer:
     progress = progress_lib.Progress(train.max_steps, batch_size)
     rate = progress_lib.Rate(batch_size)
     watchdog.expect_step(first=True)  # A stuck step ends a cluster task.
-    for batch in generator.TrainDataset(start):
+    for batch in base_input_generator.without_autotune_thread(
+        generator.TrainDataset(start)):
       s = int(self.step.numpy())
       done = s + 1
       if done == start + 1:

@@ -219,6 +219,24 @@ class InMemoryInputGenerator(BaseInputGenerator):
     return ds.prefetch(tf.data.AUTOTUNE)
 
 
+def without_autotune_thread(dataset: tf.data.Dataset) -> tf.data.Dataset:
+  """`dataset` with tf.data's autotuning model thread turned off.
+
+  The binaries iterate their datasets through this. On TF 2.21 that
+  thread can outlive its iterator by up to a minute: it sleeps between
+  optimizations (10 ms doubling up to 60 s), and the iterator's deletion
+  wakes it before the cancellation it waits for is marked done, so it
+  sleeps out the rest of the period. The trainer's last `break` then took
+  18-58 s (py-spy: `RootDataset::Iterator::~Iterator`), in one process
+  or in stage processes. AUTOTUNE arguments still work without it: a
+  parallel map runs min(16, the threads it may use) calls at once, and a
+  prefetch buffer grows while its consumer waits.
+  """
+  options = tf.data.Options()
+  options.autotune.enabled = False
+  return dataset.with_options(options)
+
+
 def train_indices(step: tf.Tensor, batch_size: int, num_examples: int,
                   seed: int) -> tf.Tensor:
   """Example indices of training step `step` (see the module docstring).

@@ -41,6 +41,20 @@ def test_every_epoch_is_a_permutation_and_batches_are_contiguous():
   assert len({tuple(e) for e in epochs}) > 1  # Reshuffled per epoch.
 
 
+def test_without_autotune_thread_keeps_the_batches_and_drops_the_thread():
+  # The binaries iterate through it: TF 2.21's autotune thread made the
+  # trainer's last `break` wait up to a minute (see the function).
+  gen = _gen(batch_size=3, seed=5)
+  plain = gen.TrainDataset(2)
+  assert plain.options().autotune.enabled is not False
+  quiet = big.without_autotune_thread(plain)
+  assert quiet.options().autotune.enabled is False
+  assert np.array_equal(_ids(quiet, 7), _ids(plain, 7))
+  evals = big.without_autotune_thread(gen.EvalDataset())
+  assert np.array_equal(np.concatenate([b.id.numpy() for b in evals]),
+                        np.arange(10))
+
+
 def test_restart_at_step_s_gives_the_same_batches():
   gen = _gen(batch_size=3, seed=11)
   full = _ids(gen.TrainDataset(0), 12)
