@@ -228,8 +228,9 @@ class Peers:
     """Sums (or averages) every tensor of the nest `value` over `tasks`.
 
     Every task in `tasks` calls it with the same key and a nest of the same
-    structure, shapes and dtypes. Tensors of one dtype travel packed in one
-    ring all-reduce. None leaves pass through.
+    structure, shapes and dtypes. Tensors of one dtype travel packed, in
+    ring all-reduces of about CHUNK_BYTES that run at once. None leaves pass
+    through.
 
     Args:
       value: a nest of tensors (e.g. one stage's gradients).
@@ -255,7 +256,9 @@ class Peers:
         if len(members) == 1:
           reduced = [tf.identity(t) for t in tensors]
         else:
-          reduced = self._reduce_packed(tensors, members, key, op, dtype)
+          reduced = [r for chunk, bucket in enumerate(_buckets(
+              tensors, dtype.size)) for r in self._reduce_packed(
+                  bucket, members, key, op, dtype, chunk)]
         for i, t in zip(idx, reduced):
           out[i] = t
     return tf.nest.pack_sequence_as(value, out)
@@ -346,12 +349,15 @@ class Peers:
     return members
 
   def _reduce_packed(self, tensors: list[tf.Tensor], members: list[int],
-                     key: Key, op: str, dtype: tf.DType) -> list[tf.Tensor]:
-    """One ring all-reduce of `tensors` (all of `dtype`) flattened into one."""
+                     key: Key, op: str, dtype: tf.DType,
+                     chunk: int) -> list[tf.Tensor]:
+    """One ring all-reduce of `tensors` (all of `dtype`) flattened into one;
+    `chunk` tells it apart from the other chunks of `key`."""
     flat = tf.concat([tf.reshape(t, [-1]) for t in tensors], axis=0)
     group, instance = self._keys(
-        f'all_reduce of key {key!r} ({dtype.name}) over tasks {members}', key,
-        members, ('all_reduce', dtype.name))
+        f'all_reduce of key {key!r} ({dtype.name}, chunk {chunk}) over '
+        f'tasks {members}', key, members,
+        ('all_reduce', dtype.name) + ((chunk,) if chunk else ()))
     reduced = tf.raw_ops.CollectiveReduceV2(
         input=_widen(flat, key), group_size=len(members), group_key=group,
         instance_key=instance, ordering_token=[], merge_op='Add',
@@ -396,6 +402,29 @@ def _group_key(members: Sequence[int], num_tasks: int) -> int:
   if num_tasks <= _MAX_BITMASK_TASKS:
     return sum(1 << t for t in members)
   return _digest(('group', tuple(members)))
+
+
+# All-reduce chunk: between two single-core processes one 16 MiB all-reduce
+# took 35 ms (22 ms CPU), four concurrent 4 MiB ones 26 ms.
+CHUNK_BYTES = 4 << 20
+
+
+def _buckets(tensors: list[tf.Tensor], itemsize: int
+             ) -> list[list[tf.Tensor]]:
+  """`tensors` in order, in runs of ≤ CHUNK_BYTES or of one larger tensor
+  (one run if a shape is not static)."""
+  buckets: list[list[tf.Tensor]] = [[]]
+  size = 0
+  for t in tensors:
+    n = t.shape.num_elements()
+    if n is None:
+      return [tensors]
+    if buckets[-1] and size + n * itemsize > CHUNK_BYTES:
+      buckets.append([])
+      size = 0
+    buckets[-1].append(t)
+    size += n * itemsize
+  return buckets
 
 
 def _wire_dtype(dtype: tf.DType, key: Key) -> tf.DType:

@@ -68,18 +68,23 @@ def _chain(peers) -> None:
                              range(k), ('sum',))
     mean = peers.all_reduce([tf.constant([2.0 * t])], range(k), ('mean',),
                             op='mean')
+    # 3 × 2.4 MiB: more than collective.CHUNK_BYTES, so it goes in chunks.
+    big = peers.all_reduce([tf.fill([600_000], float((i + 1) * (t + 1)))
+                            for i in range(3)], range(k), ('big',))
+    big = [[tf.reduce_min(b), tf.reduce_max(b)] for b in big]
     loss = tf.reduce_sum(x) if t == k - 1 else tf.constant(0.0)
     shared = peers.barrier(tf.stack([loss, 1.0]), after=tokens)
-    return x, ids, grad, total, mean, shared
+    return x, ids, grad, total, mean, big, shared
 
   for s in range(2):
-    x, ids, grad, total, mean, shared = step(tf.constant(s))
+    x, ids, grad, total, mean, big, shared = step(tf.constant(s))
     _say('RESULT', json.dumps({
         'step': s, 'x': x.numpy().tolist(), 'ids': ids.numpy().tolist(),
         'grad': grad.numpy().tolist(),
         'sum_v': total['v'].numpy().tolist(),
         'sum_n': total['n'].numpy().tolist(),
-        'mean': mean[0].numpy().tolist(), 'shared': shared.numpy().tolist()}))
+        'mean': mean[0].numpy().tolist(), 'shared': shared.numpy().tolist(),
+        'big': [[float(v) for v in b] for b in big]}))
 
 
 def _one_f_one_b(peers, num_micro_batches=4) -> None:

@@ -112,6 +112,15 @@ def test_one_key_twice_in_one_function_is_refused():
   once.get_concrete_function(tf.TensorSpec([2]))
 
 
+def test_a_large_reduction_goes_in_chunks_of_whole_tensors():
+  mib = [tf.zeros([256, 1024]), tf.zeros([3, 256, 1024]), tf.zeros([8]),
+         tf.zeros([6, 256, 1024]), tf.zeros([1])]  # 1, 3, 0, 6, 0 MiB.
+  assert collective.CHUNK_BYTES == 4 << 20
+  runs = collective._buckets(mib, 4)  # pylint: disable=protected-access
+  assert [[t.shape.num_elements() for t in r] for r in runs] == [
+      [262144, 786432], [8], [1572864], [1]]  # In order, ≤ 4 MiB or one.
+
+
 def test_widened_dtypes_travel_and_come_back_in_their_own_dtype():
   spec = tf.TensorSpec([2], tf.bfloat16)
   traced = _trace(lambda: _peers(1).recv(spec, 0, ('F', 0)))
@@ -153,6 +162,7 @@ def test_nests_travel_a_chain_of_three_both_ways_on_two_steps(tmp_path):
       assert r['grad'] == [[-last_x * 2 ** (2 - task)] * 3] * 2
       assert r['sum_v'] == [6.0] * 3 and r['sum_n'] == [6]
       assert r['mean'] == [2.0]  # mean of 0, 2, 4.
+      assert r['big'] == [[6.0 * (i + 1)] * 2 for i in range(3)]  # Chunked.
       assert r['shared'] == [6 * last_x, 3.0]  # The last task's loss.
 
 
