@@ -62,24 +62,32 @@ def _say(text: str) -> None:
     sys.stderr.flush()
 
 
-def reserve_ports(host: str, count: int) -> list[socket.socket]:
-  """`count` sockets, each holding a distinct free port of `host`.
+def reserve_ports(count: int) -> list[socket.socket]:
+  """`count` sockets, each holding a distinct free port on every address.
 
   A port that is found free and let go can be taken before the task meant
   to listen on it is up (importing TF takes seconds): under `bazel test`,
   a concurrent test's cluster got one, and a restart's tasks met it at
   start-up ("connects to a wrong cluster"). So the caller keeps these
-  sockets open while its tasks run. Each binds without SO_REUSEADDR, so no
-  other socket shares the port, then sets it: a gRPC server (which sets it
-  too) can still listen there, while plain binds and the kernel's choice
-  of a free port keep off it.
+  sockets open while its tasks run. TF's server listens on the wildcard
+  address, so each socket holds the wildcard (IPv6 and IPv4 where it can):
+  bound without SO_REUSEADDR, so no other socket shares the port, then
+  with it set, so a gRPC server (which sets it too) can still listen
+  there, while other binds and the kernel's choice of a port keep off it.
   """
   socks = []
   try:
     for _ in range(count):
-      s = socket.socket()
-      socks.append(s)
-      s.bind((host, 0))
+      try:
+        s = socket.socket(socket.AF_INET6)
+        socks.append(s)
+        s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        s.bind(('::', 0))
+      except OSError:  # No IPv6 here.
+        socks.pop().close()
+        s = socket.socket()
+        socks.append(s)
+        s.bind(('', 0))
       s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
   except OSError:
     for s in socks:
@@ -237,9 +245,11 @@ def main(argv: list[str]) -> None:
              f'--num_replicas={r} must both be ≥ 1.')
   n = k * r
   host = _HOST.value
-  held = [] if _BASE_PORT.value else reserve_ports(host, n)
+  held = [] if _BASE_PORT.value else reserve_ports(n)
   ports = ([_BASE_PORT.value + i for i in range(n)] if _BASE_PORT.value else
            [s.getsockname()[1] for s in held])
+  if ':' in host and not host.startswith('['):
+    host = f'[{host}]'  # An IPv6 literal, as a cluster spec writes it.
   addresses = [f'{host}:{p}' for p in ports]
   ncpu = os.cpu_count() or 1
   cores = [i % ncpu if _PIN_CORES.value else None for i in range(n)]

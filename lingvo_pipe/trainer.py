@@ -390,7 +390,8 @@ def _inspect(params: Params) -> str:
                          f'{task_cls.__name__} has no pipeline.')
   generator = params.input.Instantiate()
   generator.CheckAvailable()
-  batch = next(iter(generator.TrainDataset(0)))
+  batch = next(iter(base_input_generator.without_autotune_thread(
+      generator.TrainDataset(0))))
   return task_cls.InspectParams(params.task,
                                 profile_inputs=task_cls.PipelineInputs(batch))
 

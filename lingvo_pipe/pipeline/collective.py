@@ -17,7 +17,9 @@ Why it looks like this (each point was measured on TF 2.21):
 - A collective is matched across processes by (group key, instance key), two
   int32s both sides must compute alike. The caller names a transfer with a
   tuple `key`; the group key is a bitmask of the member tasks and the
-  instance key a blake2b digest of (kind, key, direction, leaf). Python's
+  instance key a blake2b digest of the key and what else tells collectives
+  apart (a transfer's direction and leaf, an all-reduce's dtype and chunk;
+  the chunks are cut from static shapes, alike on every member). Python's
   `hash()` is salted per process, so it cannot serve. Two keys whose digests
   collide within one group are reported when the second is built: every
   member of a group builds every collective of that group, so each process
@@ -228,7 +230,7 @@ class Peers:
     """Sums (or averages) every tensor of the nest `value` over `tasks`.
 
     Every task in `tasks` calls it with the same key and a nest of the same
-    structure, shapes and dtypes. Tensors of one dtype travel packed, in
+    structure, static shapes and dtypes. Tensors of one dtype travel packed, in
     ring all-reduces of about CHUNK_BYTES that run at once. None leaves pass
     through.
 

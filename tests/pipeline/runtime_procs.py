@@ -27,7 +27,7 @@ _HELD = []  # Reserved ports stay held while this test process lives.
 
 
 def free_ports(count: int) -> list:
-  socks = launch.reserve_ports('127.0.0.1', count)
+  socks = launch.reserve_ports(count)
   _HELD.extend(socks)
   return [s.getsockname()[1] for s in socks]
 

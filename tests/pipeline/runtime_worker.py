@@ -68,7 +68,7 @@ def _chain(peers) -> None:
                              range(k), ('sum',))
     mean = peers.all_reduce([tf.constant([2.0 * t])], range(k), ('mean',),
                             op='mean')
-    # 3 × 2.4 MiB: more than collective.CHUNK_BYTES, so it goes in chunks.
+    # 3 × 2.3 MiB: more than collective.CHUNK_BYTES, so it goes in chunks.
     big = peers.all_reduce([tf.fill([600_000], float((i + 1) * (t + 1)))
                             for i in range(3)], range(k), ('big',))
     big = [[tf.reduce_min(b), tf.reduce_max(b)] for b in big]

@@ -99,16 +99,18 @@ def test_task_commands_name_the_cluster_and_the_task():
 
 
 def test_reserved_ports_are_distinct_and_kept_off_until_let_go():
-  held = launch.reserve_ports('127.0.0.1', 4)
+  held = launch.reserve_ports(4)
   ports = [s.getsockname()[1] for s in held]
   assert len(set(ports)) == 4
-  others = launch.reserve_ports('127.0.0.1', 64)
+  others = launch.reserve_ports(64)
   assert not set(ports) & {s.getsockname()[1] for s in others}
   for s in others:
     s.close()
+  for family, address in [(socket.AF_INET, '127.0.0.1'), (socket.AF_INET, ''),
+                          (socket.AF_INET6, '::1')]:
+    with socket.socket(family) as plain, pytest.raises(OSError):
+      plain.bind((address, ports[0]))
   plain = socket.socket()
-  with pytest.raises(OSError):
-    plain.bind(('127.0.0.1', ports[0]))
   listener = socket.socket()  # What a gRPC server does: SO_REUSEADDR, listen.
   listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
   listener.bind(('127.0.0.1', ports[0]))
