@@ -26,7 +26,7 @@ from lingvo_pipe.pipeline import transparency
 
 DEVICES = [f'/device:CPU:{k}' for k in range(4)]
 BATCH = 8
-POLICIES = ('always', 'except_last', 'never')
+POLICIES = ('always', 'needed', 'except_last', 'never')
 
 
 def conv_bn_stack() -> tuple[list, list, callable]:

@@ -97,8 +97,11 @@ class PipeliningLayer(base_layer.BaseLayer):
     p.Define('micro_batch_size', None, 'Alternative to num_micro_batches: '
              'examples per micro-batch (M = N / micro_batch_size).')
     p.Define('recompute', 'always', 'always: keep only stage inputs and '
-             'recompute in backward (GPipe); except_last: the last stage '
-             'keeps its activations; never: keep everything.')
+             'recompute in backward (GPipe); needed: always, but a micro-'
+             'batch whose backward directly follows its forward on the '
+             'device keeps its activations (same peak, less time); '
+             'except_last: the last stage keeps its activations; never: '
+             'keep everything.')
     p.Define('schedule', 'gpipe', 'gpipe: all forwards, then all backwards '
              '(M micro-batches of activations per stage); 1f1b: PipeDream-'
              'flush, at most K−k in flight on stage k; interleaved: 1f1b over '

@@ -162,7 +162,7 @@ def predict(metas: Sequence[Any], boundaries: Sequence[int],
     num_micro_batches: M.
     input_bytes: bytes of the first layer's inputs for the whole mini-batch.
     schedule: a schedule the simulator knows ('gpipe', '1f1b').
-    recompute: 'always', 'except_last' or 'never'.
+    recompute: one of `schedule.RECOMPUTE_POLICIES`.
     optimizer: 'sgd', 'adam', 'rmsprop', or None (no slots).
     whole_batch_io: True for the FProp form (see the module doc); False
       when the loss runs inside the pipeline, micro-batch by micro-batch.

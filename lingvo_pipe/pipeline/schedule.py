@@ -23,8 +23,15 @@ Schedules: 'gpipe' (all forwards, then all backwards), '1f1b'
 which are stages s = c·K + d, and the bubble shrinks by v). Each op names
 its chunk; chunk 0 is the only one outside 'interleaved'.
 
-Recompute policies ('always', 'except_last', 'never') decide which stages
-have R ops; `Schedule.recomputes(stage)` is the one place that says so.
+Recompute policies ('always', 'needed', 'except_last', 'never') decide
+which stages have R ops; `Schedule.recomputes(stage)` is the one place that
+says so. 'needed' is 'always' less each R that would directly follow its
+own F on the device (the last micro-batch of GPipe on every stage, every
+micro-batch of 1F1B's last stage): nothing runs between the two, so keeping
+that forward's activations holds no more memory than rebuilding them at
+once, and the R is only extra time on the critical path (torchgpipe's
+'except_last' skips the last micro-batch's checkpoint for the same reason).
+`Schedule.rebuilds(stage, m)` says which micro-batches have an R.
 
 >>> [str(op) for op in gpipe_schedule(2, 2, 'never')[0]]
 ['F0', 'F1', 'B1', 'B0']
@@ -44,7 +51,7 @@ __all__ = [
     'one_f_one_b_schedule', 'run_times',
 ]
 
-RECOMPUTE_POLICIES = ('always', 'except_last', 'never')
+RECOMPUTE_POLICIES = ('always', 'needed', 'except_last', 'never')
 SCHEDULES = ('gpipe', '1f1b', 'interleaved')
 
 
@@ -104,8 +111,14 @@ class Schedule:
     return stage % len(self.ops), stage // len(self.ops)
 
   def recomputes(self, stage: int) -> bool:
-    """Whether `stage` rebuilds its activations (R) instead of keeping them."""
+    """Whether `stage`'s policy rebuilds activations (R) instead of keeping
+    them; see `rebuilds` for the micro-batches that keep theirs anyway."""
     return _recomputes(stage, self.num_stages, self.recompute)
+
+  def rebuilds(self, stage: int, micro_batch: int) -> bool:
+    """Whether micro-batch m of `stage` has an R op (else its F is kept)."""
+    device, chunk = self.place(stage)
+    return (chunk, micro_batch) in _rebuilt(self.ops[device])
 
 
 def _check(num_stages: int, num_micro_batches: int, recompute: str) -> None:
@@ -119,8 +132,8 @@ def _check(num_stages: int, num_micro_batches: int, recompute: str) -> None:
 
 
 def _recomputes(stage: int, num_stages: int, recompute: str) -> bool:
-  return recompute == 'always' or (recompute == 'except_last' and
-                                   stage < num_stages - 1)
+  return recompute in ('always', 'needed') or (
+      recompute == 'except_last' and stage < num_stages - 1)
 
 
 def _backward(stage: int, num_stages: int, recompute: str, m: int,
@@ -130,8 +143,20 @@ def _backward(stage: int, num_stages: int, recompute: str, m: int,
   return [Op('B', m, chunk)]
 
 
+def _without_adjacent_r(ops: list[Op]) -> list[Op]:
+  """`ops` less each R that directly follows its own F ('needed')."""
+  out: list[Op] = []
+  for op in ops:
+    if not (op.kind == 'R' and out and
+            out[-1] == Op('F', op.micro_batch, op.chunk)):
+      out.append(op)
+  return out
+
+
 def _schedule(name: str, ops: list[list[Op]], num_micro_batches: int,
               recompute: str, num_chunks: int = 1) -> Schedule:
+  if recompute == 'needed':
+    ops = [_without_adjacent_r(o) for o in ops]
   return Schedule(name, tuple(tuple(o) for o in ops), num_micro_batches,
                   recompute, num_chunks)
 
@@ -232,16 +257,16 @@ def make_schedule(name: str, num_stages: int, num_micro_batches: int,
   raise ScheduleError(f'schedule={name!r} is not one of {SCHEDULES}.')
 
 
-def _has_r(ops: Sequence[Op]) -> set[int]:
-  """The chunks that recompute on a device (R ops present)."""
-  return {op.chunk for op in ops if op.kind == 'R'}
+def _rebuilt(ops: Sequence[Op]) -> set[tuple[int, int]]:
+  """(chunk, micro-batch) of each R op on a device."""
+  return {(op.chunk, op.micro_batch) for op in ops if op.kind == 'R'}
 
 
 def dependencies(schedule: Sequence[Sequence[Op]], device: int,
                  op: Op) -> list[tuple[int, Op]]:
   """The (device, op) pairs that must finish before `op` starts on `device`."""
-  return _dependencies(device, op, len(schedule),
-                       _num_chunks(schedule), op.chunk in _has_r(
+  return _dependencies(device, op, len(schedule), _num_chunks(schedule),
+                       (op.chunk, op.micro_batch) in _rebuilt(
                            schedule[device]))
 
 
@@ -250,7 +275,7 @@ def _num_chunks(schedule: Sequence[Sequence[Op]]) -> int:
 
 
 def _dependencies(d: int, op: Op, num_devices: int, num_chunks: int,
-                  recomputes: bool) -> list[tuple[int, Op]]:
+                  rebuilt: bool) -> list[tuple[int, Op]]:
   m, c = op.micro_batch, op.chunk
   stage = c * num_devices + d
   last = num_devices * num_chunks - 1
@@ -264,14 +289,14 @@ def _dependencies(d: int, op: Op, num_devices: int, num_chunks: int,
   upstream = [_at(stage + 1, 'B')] if stage < last else []
   if op.kind == 'R':
     return [(d, Op('F', m, c))] + upstream
-  return [(d, Op('R' if recomputes else 'F', m, c))] + upstream
+  return [(d, Op('R' if rebuilt else 'F', m, c))] + upstream
 
 
 def check_schedule(schedule: Sequence[Sequence[Op]]) -> int:
   """Checks that every stage runs F and B of each micro-batch exactly once.
 
-  R, where present for a chunk of a device, must also appear exactly once
-  per micro-batch of that chunk.
+  R is optional per micro-batch (a kept forward has none) and appears at
+  most once.
 
   Returns:
     The number of micro-batches M.
@@ -284,18 +309,18 @@ def check_schedule(schedule: Sequence[Sequence[Op]]) -> int:
                         'device, e.g. gpipe_schedule(num_stages, M).')
   num_chunks = _num_chunks(schedule)
   num_micro_batches = sum(op.kind == 'F' for op in schedule[0]) // num_chunks
+  expected, allowed = ({Op(kind, m, c) for c in range(num_chunks)
+                        for m in range(num_micro_batches) for kind in kinds}
+                       for kinds in ('FB', 'FRB'))
   for d, ops in enumerate(schedule):
     bad = [str(op) for op in ops if op.kind not in 'FRB' or len(op.kind) != 1]
     if bad:
       raise ScheduleError(f'Stage {d} has ops of unknown kind {bad}; kinds '
                           'are F, R and B.')
-    expected = {Op(kind, m, c) for c in range(num_chunks)
-                for m in range(num_micro_batches)
-                for kind in ('FRB' if c in _has_r(ops) else 'FB')}
-    if len(ops) != len(set(ops)) or set(ops) != expected:
+    if len(ops) != len(set(ops)) or not expected <= set(ops) <= allowed:
       missing = sorted(str(op) for op in expected - set(ops))
       extra = sorted({str(op) for op in ops if ops.count(op) > 1} |
-                     {str(op) for op in set(ops) - expected})
+                     {str(op) for op in set(ops) - allowed})
       raise ScheduleError(
           f'Stage {d} must run F and B (and R, if any) of micro-batches '
           f'0..{num_micro_batches - 1} exactly once; missing {missing}, '
@@ -326,7 +351,7 @@ def run_times(schedule: Sequence[Sequence[Op]],
   """
   check_schedule(schedule)
   num_devices, num_chunks = len(schedule), _num_chunks(schedule)
-  recomputes = [_has_r(ops) for ops in schedule]
+  rebuilt = [_rebuilt(ops) for ops in schedule]
   done: dict[tuple[int, Op], float] = {}
   times: list[list[tuple[float, float]]] = [[] for _ in schedule]
   free = [0.0] * num_devices
@@ -336,7 +361,7 @@ def run_times(schedule: Sequence[Sequence[Op]],
       while len(times[d]) < len(ops):
         op = ops[len(times[d])]
         deps = _dependencies(d, op, num_devices, num_chunks,
-                             op.chunk in recomputes[d])
+                             (op.chunk, op.micro_batch) in rebuilt[d])
         if any(dep not in done for dep in deps):
           break
         start = max([free[d]] + [

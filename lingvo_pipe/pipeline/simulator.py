@@ -190,7 +190,7 @@ def simulate(stages: Sequence[StageCost], num_micro_batches: int,
     stages: one StageCost per (virtual) stage: K × num_chunks of them,
       stage s on device s mod K.
     num_micro_batches: M.
-    recompute: 'always', 'except_last' or 'never' (see `schedule.py`).
+    recompute: one of `schedule.RECOMPUTE_POLICIES` (see `schedule.py`).
     schedule: 'gpipe', '1f1b' or 'interleaved'.
     transfer_time: per micro-batch stage-to-stage transfer time.
     num_chunks: virtual stages per device (interleaved only).

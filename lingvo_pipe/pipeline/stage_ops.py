@@ -4,10 +4,11 @@ The engine (`engine.py`) emits these, one per (op, micro-batch), in the
 order a schedule gives; this module says what one op computes. Each detail
 below was a silent failure when missing:
 
-* A stage that recomputes runs F and R+B as `tf.function`s traced once and
-  called per micro-batch, so tracing costs O(stages), not O(stages × M). A
-  stage that keeps its activations (no R) runs inline under a tape that its
-  B reuses: the backward needs the forward's tape.
+* A micro-batch that recomputes runs F and R+B as `tf.function`s traced
+  once and called per micro-batch, so tracing costs O(stages), not
+  O(stages × M). One that keeps its activations (no R: the policy, or an R
+  that would directly follow its F) runs inline under a tape that its B
+  reuses: the backward needs the forward's tape.
 * Order on a device is a *data* dependency: the previous op's outputs are an
   input of the next call (`after`), used as a control dependency inside it.
   TF drops control dependencies on the call of an inlined function, which let
@@ -101,18 +102,16 @@ class Clock:
 class StageOps:
   """F and R+B of one stage, each a traced body called per micro-batch."""
 
-  def __init__(self, stage: Stage, scope: Callable[..., Any], clock: Clock,
-               recomputes: bool) -> None:
+  def __init__(self, stage: Stage, scope: Callable[..., Any],
+               clock: Clock) -> None:
     """Args:
       stage: the stage.
       scope: (m, stats, step) → the fprop_context of one micro-batch.
       clock: the timing wrapper.
-      recomputes: whether this stage rebuilds activations (R) in backward.
     """
     self.stage = stage
     self.scope = scope
     self.clock = clock.on_device(stage.device)
-    self.recomputes = recomputes
     # Eagerly (debugging, tests) the bodies run op by op: tracing them per
     # call would only add time. '_noinline' keeps each call a call, so the
     # executor can overlap stages and the graph stays O(stages) in size.

@@ -117,9 +117,7 @@ class Walker:
           stats=stats)
 
     clock = stage_ops.Clock(ctx.timeline is not None)
-    self.ops = [stage_ops.StageOps(stage, _scope, clock,
-                                   schedule.recomputes(s))
-                for s, stage in enumerate(stages)]
+    self.ops = [stage_ops.StageOps(stage, _scope, clock) for stage in stages]
     self.thetas: list[Any] = []
     self.x: dict[tuple[int, int], Any] = {}  # Stage inputs (boundaries).
     self.y: dict[tuple[int, int], Any] = {}  # Stage outputs.
@@ -214,11 +212,11 @@ class Walker:
     ops, theta = self.ops[s], self.thetas[s]
     x = self._input(s, m, d)
     side = self.side[m] if s == self.last and self.side else None
-    if ops.recomputes:
+    if self.schedule.rebuilds(s, m):
       y, stats, times = ops.forward(theta, x, side, self._after(d),
                                     _index(m), self.step)
       _unordered(times)
-    else:  # Inline: the backward needs this tape.
+    else:  # Kept, inline: the backward needs this tape.
       x, y, stats, times, self.tapes[(s, m)] = ops.kept_forward(
           theta, x, side, self._after(d), m, self.step)
     self.x[(s, m)], self.y[(s, m)] = x, y
@@ -246,7 +244,7 @@ class Walker:
     ops, theta, x = self.ops[s], self.thetas[s], self.x[(s, m)]
     dys = self._output_grads(s, m, d)
     side = self.side[m] if s == self.last and self.side else None
-    if ops.recomputes:
+    if (s, m) not in self.tapes:  # R+B, one call.
       acc = self.acc[s]
       if acc is None:
         with tf.device(self.stages[s].device):

@@ -34,7 +34,7 @@ CASES = [(model, k, m, r, 'eager') for model in stacks.MODELS
          for k, m, r in itertools.product((1, 2, 4), (1, 2, 4, 8), stacks.POLICIES)]
 CASES += [(model, k, m, r, 'graph') for model in stacks.MODELS
           for k, m, r in ((2, 4, 'except_last'), (2, 2, 'never'),
-                          (4, 8, 'always'))]
+                          (4, 8, 'always'), (2, 4, 'needed'))]
 
 
 @pytest.mark.parametrize(
@@ -242,7 +242,10 @@ def test_forward_recompute_and_backward_run_on_the_stage_device(recompute):
     return tape.gradient(loss, net.trainable_variables)
 
   counts = _matmuls_by_device(_step.get_concrete_function().graph)
-  recomputes = {'always': (1, 1), 'except_last': (1, 0), 'never': (0, 0)}
-  expected = {stacks.DEVICES[k]: 2 * 2 * (3 + recomputes[recompute][k])
+  # Per stage, the micro-batches that recompute: 'needed' keeps the last
+  # one's forward (its recompute would directly follow it).
+  recomputes = {'always': (2, 2), 'needed': (1, 1), 'except_last': (2, 0),
+                'never': (0, 0)}
+  expected = {stacks.DEVICES[k]: 2 * (2 * 3 + recomputes[recompute][k])
               for k in range(2)}
   assert counts == expected

@@ -99,6 +99,8 @@ def _cases():
         yield name, k, m, 'always'
     yield name, 2, 4, 'never'
     yield name, 2, 4, 'except_last'
+    yield name, 2, 4, 'needed'
+    yield name, 3, 6, 'needed'
 
 
 @pytest.mark.parametrize('name,k,m,recompute', list(_cases()))
@@ -110,7 +112,8 @@ def test_emitted_graph_follows_the_schedule(name, k, m, recompute):
 
   def _key(d, op):  # A recompute and its backward are one call.
     s = sched.stage(d, op)
-    kind = 'R' if op.kind == 'B' and sched.recomputes(s) else op.kind
+    kind = 'R' if op.kind == 'B' and sched.rebuilds(s, op.micro_batch) else (
+        op.kind)
     return (s, kind, op.micro_batch)
 
   reach = {key: _reachable(edges, names) for key, names in groups.items()}

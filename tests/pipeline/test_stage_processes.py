@@ -77,6 +77,7 @@ def _run(tmp_path, model, k, r, m, schedule, recompute, costs=''):
     ('conv_bn', 2, 2, 2, '1f1b', 'always'),  # R=2 × K=2 = R=1 × K=2, M=4.
     ('nested', 2, 1, 4, 'interleaved', 'never'),
     ('nested', 4, 1, 4, '1f1b', 'except_last'),
+    ('conv_bn', 2, 1, 4, 'gpipe', 'needed'),  # Kept F3 on both stages.
 ])
 def test_stage_processes_equal_one_process(tmp_path, model, k, r, m,
                                            schedule, recompute):
