@@ -105,10 +105,29 @@ _MEM = StageCost(1.0, boundary_bytes=1.0, activation_bytes=10.0)
     # 1F1B: stage 0 holds 2 micro-batches (warm-up 1 + 1), stage 1 holds 1.
     ('always', '1f1b', (2 * 1 + 10, 1 + 10)),
     ('never', '1f1b', (2 * 11, 11)),
+    # 'needed' keeps the forwards whose R would follow at once: same peaks.
+    ('needed', 'gpipe', (4 * 1 + 10, 4 * 1 + 10)),
+    ('needed', '1f1b', (2 * 1 + 10, 1 + 10)),
 ])
 def test_peak_memory_hand_computed(recompute, schedule, peaks):
   r = simulator.simulate([_MEM, _MEM], 4, recompute, schedule)
   assert r.peak_activation_bytes == peaks
+
+
+@pytest.mark.parametrize('schedule', ['gpipe', '1f1b'])
+@pytest.mark.parametrize('k, m', [(1, 1), (2, 8), (3, 4), (4, 16)])
+def test_needed_is_faster_than_always_at_the_same_peak(schedule, k, m):
+  stages = [_MEM] * k
+  always = simulator.simulate(stages, m, 'always', schedule)
+  needed = simulator.simulate(stages, m, 'needed', schedule)
+  assert needed.peak_activation_bytes == always.peak_activation_bytes
+  # The skipped Rs (1 time unit each, as F) that lay on the critical path:
+  # GPipe's last stage's, and in 1F1B those that the steady state waits on.
+  skipped = sum(e.kind == 'R' for e in always.events) - sum(
+      e.kind == 'R' for e in needed.events)
+  assert skipped == (k if schedule == 'gpipe' else m)
+  saved = always.step_time - needed.step_time
+  assert saved == (1 if schedule == 'gpipe' or k == 1 else 2)
 
 
 @pytest.mark.parametrize('k, m', [(2, 8), (3, 4), (4, 16), (4, 3), (5, 10)])
