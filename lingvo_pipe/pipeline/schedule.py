@@ -40,6 +40,7 @@ once, and the R is only extra time on the critical path (torchgpipe's
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Callable, Iterator, NamedTuple, Sequence
 
 from lingvo_pipe import errors
@@ -118,7 +119,12 @@ class Schedule:
   def rebuilds(self, stage: int, micro_batch: int) -> bool:
     """Whether micro-batch m of `stage` has an R op (else its F is kept)."""
     device, chunk = self.place(stage)
-    return (chunk, micro_batch) in _rebuilt(self.ops[device])
+    return (chunk, micro_batch) in self._rebuilt_per_device[device]
+
+  @functools.cached_property
+  def _rebuilt_per_device(self) -> list[set[tuple[int, int]]]:
+    """Per device, (chunk, micro-batch) of its R ops (asked per op)."""
+    return [_rebuilt(ops) for ops in self.ops]
 
 
 def _check(num_stages: int, num_micro_batches: int, recompute: str) -> None:

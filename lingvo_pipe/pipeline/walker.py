@@ -244,7 +244,7 @@ class Walker:
     ops, theta, x = self.ops[s], self.thetas[s], self.x[(s, m)]
     dys = self._output_grads(s, m, d)
     side = self.side[m] if s == self.last and self.side else None
-    if (s, m) not in self.tapes:  # R+B, one call.
+    if self.schedule.rebuilds(s, m):  # R+B, one call.
       acc = self.acc[s]
       if acc is None:
         with tf.device(self.stages[s].device):
