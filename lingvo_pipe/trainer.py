@@ -430,7 +430,8 @@ def _main(argv: list[str]) -> None:
     else:  # One task of a multi-process run: its server and peers first.
       runtime = processes.start(
           cluster, collective_timeout_s=flags.FLAGS.collective_timeout_secs,
-          peer_timeout_s=flags.FLAGS.peer_timeout_secs)
+          peer_timeout_s=flags.FLAGS.peer_timeout_secs,
+          compute_slice_us=flags.FLAGS.compute_slice_us)
       placement.use(runtime.peers)
     if _DETERMINISTIC.value:
       tf.config.experimental.enable_op_determinism()

@@ -27,6 +27,16 @@ Why this way (measured on TF 2.21, 127.0.0.1):
   running, hung in start-up when a peer died before registering, and its
   errors span dozens of lines.
 - The collective group leader (which resolves group membership) is task 0.
+- TF's compute threads get a short scheduler time slice (`shorten_slices`):
+  on a one-core stage process a boundary transfer hands off between several
+  threads (gRPC, the collective executor, the executor), and under Linux's
+  EEVDF scheduler each hand-off waited for the running compute thread's
+  slice to end (1.4 ms here). At K=2 stage processes (16 × FC 512, batch
+  1024, M=8, recompute always), steps with and without it alternated in one
+  launch (15 each, 2 launches per schedule): GPipe's step was 1.2% and 2.5%
+  shorter, 1F1B's 3.0% and 4.6%. Unlike a lower priority (nice, SCHED_IDLE:
+  starved by any other process on the core, e.g. a parallel test),
+  the threads keep their share of the CPU.
 
 With no cluster (`config` None), `start` gives `collective.Peers.local()`
 and does nothing else, so a binary has one code path for 1 and K processes.
@@ -34,10 +44,13 @@ and does nothing else, so a binary has one code path for 1 and K processes.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import json
 import os
+import platform
 import re
+import struct
 from typing import Any, Mapping, Sequence
 
 from absl import flags
@@ -112,7 +125,8 @@ def cluster_from(cluster_spec: str = '', job: str = DEFAULT_JOB,
 
 def start(config: ClusterConfig | None, *, cores: Sequence[int] | None = None,
           collective_timeout_s: float = 300.0, peer_timeout_s: float = 120.0,
-          watchdog: bool = True, op_timeouts: bool = False) -> 'Runtime':
+          watchdog: bool = True, op_timeouts: bool = False,
+          compute_slice_us: int = 100) -> 'Runtime':
   """Starts this task of the run; call it before any TensorFlow op.
 
   Args:
@@ -127,6 +141,8 @@ def start(config: ClusterConfig | None, *, cores: Sequence[int] | None = None,
       names the op's key and peer), at the cost of a thread per op for the
       whole timeout (collective.py); only for short programs. Else the
       trainer's step deadline (`watchdog.expect_step`) bounds a hang.
+    compute_slice_us: the scheduler time slice of TF's compute threads
+      (`shorten_slices`); 0 keeps the kernel's default.
 
   Raises:
     ClusterError: TF already started, a port in use, or peers missing.
@@ -143,6 +159,8 @@ def start(config: ClusterConfig | None, *, cores: Sequence[int] | None = None,
                            device_type=_device_type(),
                            op_timeout_s=None if op_timeouts else 0.0)
   _start_server(config)
+  if compute_slice_us:
+    shorten_slices(compute_slice_us)
   watch = watchdog_lib.Watchdog(peers)
   missing = watch.wait_until_up(peer_timeout_s)
   if missing:
@@ -174,6 +192,11 @@ def define_flags() -> None:
                      'an error; a dead peer is found within seconds.')
   flags.DEFINE_float('peer_timeout_secs', 120.0, 'How long start-up waits '
                      'for every task to come up.')
+  flags.DEFINE_integer('compute_slice_us', 100, 'Scheduler time slice of '
+                       'TensorFlow\'s compute threads, so that boundary '
+                       'transfers are not held up behind compute (Linux ≥ '
+                       '6.12; elsewhere no effect); 0: the kernel\'s '
+                       'default.')
 
 
 def start_from_flags(**kwargs: Any) -> 'Runtime':
@@ -181,7 +204,8 @@ def start_from_flags(**kwargs: Any) -> 'Runtime':
   f = flags.FLAGS
   config = cluster_from(f.cluster_spec, f.job, f.task)
   return start(config, collective_timeout_s=f.collective_timeout_secs,
-               peer_timeout_s=f.peer_timeout_secs, **kwargs)
+               peer_timeout_s=f.peer_timeout_secs,
+               compute_slice_us=f.compute_slice_us, **kwargs)
 
 
 class Runtime:
@@ -274,6 +298,50 @@ def _configure_threads() -> None:
 _TOO_LATE = ('processes.start() came after TensorFlow\'s runtime started '
              '({}); call it first thing, before any TF op, variable or device '
              'query.')
+
+
+# sched_setattr(2) per architecture; Python has no wrapper for it.
+_SCHED_SETATTR = {'x86_64': 314, 'aarch64': 274}
+_COMPUTE_THREAD = 'tf_Compute'  # TF's inter-op pool threads run the kernels.
+
+
+def compute_threads() -> list[int]:
+  """Thread ids of this process's TensorFlow compute threads."""
+  tids = []
+  for tid in os.listdir('/proc/self/task'):
+    try:
+      with open(f'/proc/self/task/{tid}/comm') as f:
+        if f.read().strip() == _COMPUTE_THREAD:
+          tids.append(int(tid))
+    except OSError:  # The thread has ended.
+      pass
+  return sorted(tids)
+
+
+def shorten_slices(slice_us: int, tids: Sequence[int] | None = None) -> int:
+  """Gives threads (default: `compute_threads()`) a scheduler time slice of
+  `slice_us` µs; returns how many took it (0 where the kernel or platform
+  cannot: then nothing changes).
+
+  The slice is EEVDF's `sched_runtime` of a normal thread (Linux ≥ 6.12):
+  with a short one, a thread that wakes (a transfer's next hand-off)
+  runs within that time instead of after the running compute thread's
+  default slice (1.4 ms here). The threads' weight, their share of the
+  CPU, is unchanged. 0 restores the default.
+  """
+  number = _SCHED_SETATTR.get(platform.machine())
+  if number is None or not os.path.isdir('/proc/self/task'):
+    return 0
+  libc = ctypes.CDLL(None, use_errno=True)
+  # struct sched_attr, version 0: size, policy (SCHED_OTHER), flags, nice,
+  # priority, runtime (ns), deadline, period.
+  attr = ctypes.create_string_buffer(struct.pack(
+      'IIQiIQQQ', 48, 0, 0, 0, 0, slice_us * 1000, 0, 0))
+  done = 0
+  for tid in compute_threads() if tids is None else tids:
+    if libc.syscall(number, tid, attr, 0) == 0:
+      done += 1
+  return done
 
 
 def _device_type() -> str:

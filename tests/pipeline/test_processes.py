@@ -129,3 +129,39 @@ def test_a_step_that_never_finishes_ends_the_task_with_one_line():
   assert len(lines) == 1, proc.stderr[-2000:]
   assert re.search(r'task 0: no step finished within 0\.5 s .*'
                    r'--collective_timeout_secs', lines[0]), lines[0]
+
+
+def _slice_ns(tid):
+  """The thread's scheduler slice (ns) as the kernel reports it, or None."""
+  try:
+    with open(f'/proc/self/task/{tid}/sched') as f:
+      for line in f:
+        if line.startswith('se.slice'):
+          return int(line.split(':')[1])
+  except OSError:
+    pass
+  return None
+
+
+def test_compute_threads_get_a_short_slice_and_keep_their_share():
+  import os  # pylint: disable=g-import-not-at-top
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  tf.constant(1.0) + 1.0  # The runtime, with its inter-op pool, exists.
+  tids = processes.compute_threads()
+  assert tids, 'no thread named tf_Compute: TensorFlow renamed its pool?'
+  before = {t: (_slice_ns(t), os.getpriority(os.PRIO_PROCESS, t),
+                os.sched_getscheduler(t)) for t in tids}
+  try:
+    done = processes.shorten_slices(100, tids)
+    after = {t: _slice_ns(t) for t in tids}
+    if done == 0 or None in after.values() or set(after.values()) == {
+        before[t][0] for t in tids}:
+      pytest.skip('this kernel has no per-thread slices (Linux < 6.12)')
+    assert done == len(tids)
+    assert set(after.values()) == {100_000}
+    for t in tids:  # Same priority and policy: the same share of the CPU.
+      assert os.getpriority(os.PRIO_PROCESS, t) == before[t][1]
+      assert os.sched_getscheduler(t) == before[t][2] == os.SCHED_OTHER
+  finally:
+    processes.shorten_slices(0, tids)
+  assert {_slice_ns(t) for t in tids} == {before[t][0] for t in tids}
