@@ -34,9 +34,9 @@ Why this way (measured on TF 2.21, 127.0.0.1):
   slice to end (1.4 ms here). At K=2 stage processes (16 × FC 512, batch
   1024, M=8, recompute always), steps with and without it alternated in one
   launch (15 each, 2 launches per schedule): GPipe's step was 1.2% and 2.5%
-  shorter, 1F1B's 3.0% and 4.6% (at M=16: unchanged). Unlike a lower priority (nice, SCHED_IDLE:
-  starved by any other process on the core, e.g. a parallel test),
-  the threads keep their share of the CPU.
+  shorter, 1F1B's 3.0% and 4.6% (at M=16: unchanged). Unlike a lower
+  priority (nice, SCHED_IDLE: starved by any other process on the core,
+  e.g. a parallel test), the threads keep their share of the CPU.
 
 With no cluster (`config` None), `start` gives `collective.Peers.local()`
 and does nothing else, so a binary has one code path for 1 and K processes.
