@@ -195,8 +195,9 @@ def define_flags() -> None:
   flags.DEFINE_integer('compute_slice_us', 100, 'Scheduler time slice of '
                        'TensorFlow\'s compute threads, so that boundary '
                        'transfers are not held up behind compute (Linux ≥ '
-                       '6.12; elsewhere no effect); 0: the kernel\'s '
-                       'default.')
+                       '6.12, which keeps it within 100..100000; '
+                       'elsewhere no effect); 0: the kernel\'s default.',
+                       lower_bound=0)
 
 
 def start_from_flags(**kwargs: Any) -> 'Runtime':

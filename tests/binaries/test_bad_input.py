@@ -51,6 +51,8 @@ _CASES = [
      [f'--model={br.MODEL}', '--logdir={file}/logdir'], 'is not writable'),
     ('negative_minutes', 'trainer', _new('--max_train_minutes=-1'),
      '--max_train_minutes=-1 is negative'),
+    ('negative_slice', 'trainer', _new('--compute_slice_us=-1'),
+     'flag --compute_slice_us=-1'),
     ('malformed_flag', 'trainer', _new('--max_steps=ten'),
      "flag --max_steps=ten: invalid literal"),
     ('unknown_flag', 'trainer', _new('--max_step=10'),
