@@ -4,8 +4,9 @@
     python tools/benchmark.py efficiency          # one section
     python tools/benchmark.py all --tiny          # smoke test, a few minutes
 
-Sub-commands (sections.py): efficiency, overlap, table1, peer (issue 9:
-stage processes, data parallelism, GPipe Table 1, torch's pipelining);
+Sub-commands (sections.py): efficiency, overlap, table1, peer, slices
+(issue 9: stage processes, data parallelism, GPipe Table 1, torch's
+pipelining, the compute threads' scheduler slice);
 schedules, fidelity, partition, overheads, timeline (issue 10: 1F1B vs
 GPipe, the simulator, profiled partitions, tracing, pictures). Each writes
 its section into docs/benchmarks.json and re-renders docs/benchmarks.md

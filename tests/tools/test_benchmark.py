@@ -45,6 +45,8 @@ _EXPECTED = {
                '(18, 208)', '1663 layers', 'TF_CPU_BFC_MEM_LIMIT_IN_MB',
                'table1.png'],
     'peer': ['| config | lingvo_pipe', 'K=2, M=8'],
+    'slices': ['| configuration | launch 1: off / on (s)', 'K=2 1f1b M=8',
+               'Step time saved by the short slice'],
     'schedules': ['**Memory**', 'peak activation memory 1F1B ÷ GPipe, K=2, '
                   'M=32', '1F1B growth M=8 → M=32',
                   'step time 1F1B ÷ GPipe, K=2, M=8', 'interleaved',

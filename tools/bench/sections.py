@@ -15,6 +15,7 @@ from bench import peer
 from bench import plots
 from bench import report
 from bench import schedules
+from bench import slices
 from bench import table1
 from bench import timeline_bench
 
@@ -26,6 +27,8 @@ _SECTIONS = {
     'table1': ('Issue 9 — largest trainable model per memory budget, '
                'measured (GPipe Table 1)', table1),
     'peer': ('Issue 9 — peer: torch.distributed.pipelining', peer),
+    'slices': ('Issue 9 — stage processes: the compute threads\' scheduler '
+               'slice', slices),
     'schedules': ('Issue 10 — schedules: activation memory and step time '
                   '(1F1B vs GPipe)', schedules),
     'fidelity': ('Issue 10 — simulator fidelity', fidelity),

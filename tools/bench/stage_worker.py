@@ -16,6 +16,11 @@ hand-written tape step), and how to time them. A configuration is either
   That is how one run holds both a K=1 reference and the ceiling C
   ("alone" = one task runs it, "together" = both run it at once).
 
+A configuration with `slice_us` sets the scheduler slice of this task's
+compute threads (`processes.shorten_slices`; 0: the kernel's default)
+before each of its steps, so two configurations that differ only there
+compare the slices within one launch.
+
 Configurations are timed in alternation, a barrier of every task before
 each one, so the neighbours' load hits every configuration alike. Each
 task writes `task<i>.json`: wall seconds per timed step, the engine's
@@ -142,12 +147,18 @@ class _Config:
     self.step().numpy()
     self.result['first_call_s'] = time.perf_counter() - start
 
+  def _slices(self) -> None:
+    if 'slice_us' in self.cfg:
+      processes.shorten_slices(self.cfg['slice_us'])
+
   def timed_call(self) -> None:
+    self._slices()
     start = time.perf_counter()
     self.step().numpy()
     self.result['times_s'].append(time.perf_counter() - start)
 
   def record(self) -> None:
+    self._slices()
     if self.recorder is not None:
       self.result['records'].append([list(r) for r in self.recorder()])
 
