@@ -27,16 +27,17 @@ Why this way (measured on TF 2.21, 127.0.0.1):
   running, hung in start-up when a peer died before registering, and its
   errors span dozens of lines.
 - The collective group leader (which resolves group membership) is task 0.
-- TF's compute threads get a short scheduler time slice (`shorten_slices`):
-  on a one-core stage process a boundary transfer hands off between several
+- TF's compute threads keep the kernel's scheduler slice unless
+  `--compute_slice_us` asks for a shorter one (`shorten_slices`). On a
+  one-core stage process a boundary transfer hands off between several
   threads (gRPC, the collective executor, the executor), and under Linux's
-  EEVDF scheduler each hand-off waited for the running compute thread's
-  slice to end (1.4 ms here). At K=2 stage processes (16 × FC 512, batch
-  1024, M=8, recompute always), steps with and without it alternated in one
-  launch (15 each, 2 launches per schedule): GPipe's step was 1.2% and 2.5%
-  shorter, 1F1B's 3.0% and 4.6% (at M=16: unchanged). Unlike a lower
-  priority (nice, SCHED_IDLE: starved by any other process on the core,
-  e.g. a parallel test), the threads keep their share of the CPU.
+  EEVDF scheduler each hand-off can wait for the running compute thread's
+  slice (1.4 ms here). With 100 µs, probes at K=2 (16 × FC 512, batch
+  1024, M=8; both arms alternated in one launch) first gave 1–5% shorter
+  steps, but `tools/benchmark.py slices`, 3 runs of 2 launches later the
+  same day, gave on ÷ off from 0.92 to 1.06 with no consistent sign. So it
+  is off by default. (SCHED_IDLE compute threads were no better, and any
+  other process on the core starves them.)
 
 With no cluster (`config` None), `start` gives `collective.Peers.local()`
 and does nothing else, so a binary has one code path for 1 and K processes.
@@ -126,7 +127,7 @@ def cluster_from(cluster_spec: str = '', job: str = DEFAULT_JOB,
 def start(config: ClusterConfig | None, *, cores: Sequence[int] | None = None,
           collective_timeout_s: float = 300.0, peer_timeout_s: float = 120.0,
           watchdog: bool = True, op_timeouts: bool = False,
-          compute_slice_us: int = 100) -> 'Runtime':
+          compute_slice_us: int = 0) -> 'Runtime':
   """Starts this task of the run; call it before any TensorFlow op.
 
   Args:
@@ -141,7 +142,7 @@ def start(config: ClusterConfig | None, *, cores: Sequence[int] | None = None,
       names the op's key and peer), at the cost of a thread per op for the
       whole timeout (collective.py); only for short programs. Else the
       trainer's step deadline (`watchdog.expect_step`) bounds a hang.
-    compute_slice_us: the scheduler time slice of TF's compute threads
+    compute_slice_us: give TF's compute threads this scheduler time slice
       (`shorten_slices`); 0 keeps the kernel's default.
 
   Raises:
@@ -192,11 +193,12 @@ def define_flags() -> None:
                      'an error; a dead peer is found within seconds.')
   flags.DEFINE_float('peer_timeout_secs', 120.0, 'How long start-up waits '
                      'for every task to come up.')
-  flags.DEFINE_integer('compute_slice_us', 100, 'Scheduler time slice of '
+  flags.DEFINE_integer('compute_slice_us', 0, 'Scheduler time slice of '
                        'TensorFlow\'s compute threads, so that boundary '
-                       'transfers are not held up behind compute (Linux ≥ '
+                       'transfers need not wait behind compute (Linux ≥ '
                        '6.12, which keeps it within 100..100000; '
-                       'elsewhere no effect); 0: the kernel\'s default.',
+                       'elsewhere no effect; tools/benchmark.py slices '
+                       'measures it); 0: the kernel\'s default.',
                        lower_bound=0)
 
 

@@ -1,10 +1,10 @@
 """Issue 9: what the compute threads' short scheduler slice buys.
 
-Stage processes give TensorFlow's compute threads a 100 µs slice
-(`processes.shorten_slices`, `--compute_slice_us`): a boundary transfer
-wakes several threads in turn, and under Linux's EEVDF scheduler each one
-otherwise waits for the running compute thread's default slice. This
-section measures it on K=2 stage processes, and on K=1 in one of them (no
+`--compute_slice_us=100` gives TensorFlow's compute threads of a stage
+process a 100 µs slice (`processes.shorten_slices`; off by default): a
+boundary transfer wakes several threads in turn, and under Linux's EEVDF
+scheduler each one can wait for the running compute thread's default
+slice. This section measures whether that helps on K=2 stage processes, and on K=1 in one of them (no
 transfers: nothing to gain): each configuration runs twice, with the
 kernel's default slice ("off") and with 100 µs ("on"), the two timed in
 alternation within one launch — from one launch to the next a step moves by
@@ -89,8 +89,9 @@ def render(s: dict[str, Any]) -> str:
            for name, r in s['median_ratio'].items()]
   return '\n'.join([
       f'Network: {s["network"]}; recompute=always, GPipe unless named; '
-      f'"on": compute threads with a {SLICE_US} µs scheduler slice (what '
-      'stage processes run with), "off": the kernel\'s default. Each launch '
+      f'"on": compute threads with a {SLICE_US} µs scheduler slice '
+      '(`--compute_slice_us`), "off": the kernel\'s default (what stage '
+      'processes run with). Each launch '
       f'times both arms in alternation, medians of {s["reps"]} steps per '
       'arm.', '',
       report.table(header, rows), '',
