@@ -4,12 +4,12 @@
 process a 100 µs slice (`processes.shorten_slices`; off by default): a
 boundary transfer wakes several threads in turn, and under Linux's EEVDF
 scheduler each one can wait for the running compute thread's default
-slice. This section measures whether that helps on K=2 stage processes, and on K=1 in one of them (no
-transfers: nothing to gain): each configuration runs twice, with the
-kernel's default slice ("off") and with 100 µs ("on"), the two timed in
-alternation within one launch — from one launch to the next a step moves by
-more than the gain. Several launches (one per M); each gives its own
-on ÷ off.
+slice. This section measures whether that helps on K=2 stage processes,
+and on K=1 in one of them (no transfers: nothing to gain): each
+configuration runs twice, with the kernel's default slice ("off") and
+with 100 µs ("on"), the two timed in alternation within one launch — from
+one launch to the next a step moves by more than the gain. Several
+launches (one per M); each gives its own on ÷ off.
 """
 
 from __future__ import annotations
