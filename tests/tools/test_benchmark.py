@@ -51,7 +51,7 @@ _EXPECTED = {
                   'M=32', '1F1B growth M=8 → M=32',
                   'step time 1F1B ÷ GPipe, K=2, M=8', 'interleaved',
                   'schedules_memory.png'],
-    'fidelity': ['| K | M | schedule | measured span (s) | predicted (s) |',
+    'fidelity': ['| K | M | schedule | measured step (s) | predicted (s) |',
                  'round 1: worst |predicted ÷ measured − 1|', 'fidelity.png'],
     'partition': ['| K | partition by | boundaries',
                   'profile partition, K=2'],

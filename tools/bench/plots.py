@@ -18,7 +18,7 @@ def _pyplot() -> Any:
 
 
 def fidelity(s: dict[str, Any], path: str) -> None:
-  """Measured vs predicted span per K and schedule (the last round)."""
+  """Measured vs predicted step per K and schedule (the last round)."""
   plt = _pyplot()
   fig, ax = plt.subplots(figsize=(6, 3.6))
   rows = s['rounds'][-1]['rows']
@@ -33,7 +33,7 @@ def fidelity(s: dict[str, Any], path: str) -> None:
     ax.plot(ms, [r['predicted_s'] for r in sel], marker + '--',
             color=line.get_color(), alpha=0.6, label='predicted')
   ax.set_xlabel('micro-batches M')
-  ax.set_ylabel('recorded step span (s)')
+  ax.set_ylabel('wall-clock step (s)')
   ax.set_ylim(bottom=0)
   ax.set_title('Simulator vs stage processes (last round)', fontsize=9)
   ax.grid(alpha=0.3)
