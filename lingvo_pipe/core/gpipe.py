@@ -119,6 +119,11 @@ class PipeliningLayer(base_layer.BaseLayer):
     p.Define('devices', None, 'Device of each stage, e.g. ["/GPU:0", '
              '"/GPU:1"] or "/job:worker/task:1/device:CPU:0"; None = local '
              'accelerators, else logical CPU devices.')
+    p.Define('inline_stage_calls', None, 'Let TensorFlow inline each call '
+             'of a stage body: one optimised copy of the stage per micro-'
+             'batch, so faster steps (K=2 stage processes: 4–14%) but a '
+             'slower first step at large M. None: only where this process '
+             'runs one stage of a multi-process pipeline.')
     p.Define('batch_dim', 0, 'Batch dimension of every tensor that crosses '
              'a stage boundary (1 for time-major [T, B, ...]).')
     return p
@@ -258,11 +263,14 @@ class PipeliningLayer(base_layer.BaseLayer):
   def _Stages(self, theta: NestedMap) -> list[engine.Stage]:
     stages = []
     bounds = self._plan.boundaries
+    inline = self.params.inline_stage_calls
+    if inline is None:
+      inline = self._placement.multi_process
     for s in range(self._plan.num_stages):
       stages.append(engine.Stage(
           fprop=lambda th, x, s=s: self._StageFProp(s, th, x),
           theta=list(theta.layers[bounds[s]:bounds[s + 1]]),
-          device=self.stage_device(s)))
+          device=self.stage_device(s), inline=inline))
     return stages
 
   def _Schedule(self, inputs: tuple[Any, ...]) -> schedule_lib.Schedule:

@@ -168,7 +168,7 @@ def _loss_stage(stage: Stage, loss_fn: LossFn) -> Stage:
                         "{'loss': (value, weight), ...} per micro-batch.")
     value, weight = metrics['loss']
     return value * tf.cast(weight, value.dtype), dict(metrics)
-  return Stage(_fprop, stage.theta, stage.device)
+  return Stage(_fprop, stage.theta, stage.device, stage.inline)
 
 
 def _metric_sums(parts: list[dict[str, tuple[tf.Tensor, tf.Tensor]]]

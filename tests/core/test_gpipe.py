@@ -35,6 +35,9 @@ CASES = [(model, k, m, r, 'eager') for model in stacks.MODELS
 CASES += [(model, k, m, r, 'graph') for model in stacks.MODELS
           for k, m, r in ((2, 4, 'except_last'), (2, 2, 'never'),
                           (4, 8, 'always'), (2, 4, 'needed'))]
+# Stage bodies inlined at run time (stage processes do it by default).
+CASES += [(model, k, m, r, 'graph-inlined') for model in stacks.MODELS
+          for k, m, r in ((2, 4, 'always'), (4, 8, 'needed'))]
 
 
 @pytest.mark.parametrize(
@@ -42,12 +45,13 @@ CASES += [(model, k, m, r, 'graph') for model in stacks.MODELS
 def test_pipelined_equals_unpipelined(model, num_stages, num_micro_batches,
                                       recompute, mode):
   net, inputs = stacks.net(model, num_stages=num_stages,
-                     num_micro_batches=num_micro_batches, recompute=recompute)
+                     num_micro_batches=num_micro_batches, recompute=recompute,
+                     inline_stage_calls=mode == 'graph-inlined')
   twin = stacks.float64_twin(net).children.layers
   run = lambda: stacks.pipelined(net, inputs)
   ref = lambda: stacks.reference(net, inputs, num_micro_batches)
   exact = lambda: stacks.reference(net, inputs, num_micro_batches, layers=twin)
-  if mode == 'graph':
+  if mode.startswith('graph'):
     run = tf.function(run)
     if model == 'conv_bn':
       # BatchNorm over micro-batches of 1–2 examples amplifies the rounding
@@ -110,6 +114,12 @@ def test_inference_runs_whole_batch_stage_by_stage():
   for layer, theta in zip(net.children.layers, net.theta.layers):
     x = layer.FProp(theta, *x)
   assert stacks.max_rel_diff(out, x) == 0.0
+
+
+def test_bad_inline_stage_calls_is_named():
+  with pytest.raises(ValueError, match=r"net: inline_stage_calls='yes'; use "
+                     'None'):
+    stacks.net('nested', num_stages=2, inline_stage_calls='yes')
 
 
 @pytest.mark.parametrize('kw,match', [
