@@ -7,6 +7,7 @@ import time, and library code calling sys.exit.
 """
 
 import ast
+import collections
 import importlib.metadata
 import os
 import pathlib
@@ -33,6 +34,18 @@ def _python(code: str, cwd: pathlib.Path) -> subprocess.CompletedProcess:
 def _pyproject() -> dict:
   with open(_ROOT / 'pyproject.toml', 'rb') as f:
     return tomllib.load(f)
+
+
+def test_test_files_have_unique_basenames():
+  # tests/ has no __init__.py: pytest imports each test file by its basename,
+  # and two tests/**/test_cluster.py stopped `bash tools/test.sh` (README's
+  # test command) at collection. Under Bazel each target sees only its own
+  # files; tools/test.sh tests/package (CI's first step) checks the tree.
+  counts = collections.Counter(p.name for p in (_ROOT / 'tests').rglob(
+      'test_*.py'))
+  twins = sorted(name for name, n in counts.items() if n > 1)
+  assert not twins, (f'{twins}: test files share a basename; rename one '
+                     '(pytest imports them by basename).')
 
 
 def test_tasks_and_params_live_inside_the_package():
