@@ -121,9 +121,10 @@ class PipeliningLayer(base_layer.BaseLayer):
              'accelerators, else logical CPU devices.')
     p.Define('inline_stage_calls', None, 'Let TensorFlow inline each call '
              'of a stage body: one optimised copy of the stage per micro-'
-             'batch, so faster steps (K=2 stage processes: 4–14%) but a '
-             'slower first step at large M. None: only where this process '
-             'runs one stage of a multi-process pipeline.')
+             'batch, so faster steps (K=2 stage processes: 3–14%) but a '
+             'slower first step at large M. None: only in a multi-process '
+             'run (stage processes, replicas), where each process runs one '
+             'stage.')
     p.Define('batch_dim', 0, 'Batch dimension of every tensor that crosses '
              'a stage boundary (1 for time-major [T, B, ...]).')
     return p

@@ -320,7 +320,8 @@ def make_plan(p: Any, where: str, profile_inputs: Any = None) -> Plan:
   if p.schedule not in schedule_lib.SCHEDULES:
     raise PlanError(f'{where}: schedule={p.schedule!r}; use one of '
                     f'{schedule_lib.SCHEDULES}.')
-  if p.inline_stage_calls not in (None, True, False):
+  if p.inline_stage_calls is not None and not isinstance(
+      p.inline_stage_calls, bool):
     raise PlanError(f'{where}: inline_stage_calls={p.inline_stage_calls!r}; '
                     'use None (inline on stage processes), True or False.')
   chunks = p.virtual_stages_per_device if p.schedule == 'interleaved' else 1

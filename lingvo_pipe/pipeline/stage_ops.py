@@ -132,7 +132,8 @@ class StageOps:
     # call would only add time. Traced, each body is traced once however
     # many calls. '_noinline' keeps each call a call, so the graph TF
     # optimises stays O(stages) in size: inlined, a K=2 step of 12 ×
-    # Transformer layer took 60 s instead of 8 s to start at M=32. But a
+    # Transformer layer took 60 s instead of 8 s to start at M=32 (a copy of
+    # F and of R+B per micro-batch). But a
     # call hands over its outputs only once all of them exist (dx waits for
     # the weight gradients), and each call crosses inter-op threads: on
     # stage processes, one core each, inlined bodies made K=2 steps 4–7%

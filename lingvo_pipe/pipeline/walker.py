@@ -243,7 +243,8 @@ class Walker:
   def _output_grads(self, s: int, m: int, d: int) -> list[tf.Tensor]:
     """Gradients of F(s, m)'s float outputs, on s's device."""
     if s == self.last:
-      grads = [_opaque(g) for g in self.seed[m]]
+      with tf.device(self.stages[s].device):
+        grads = [_opaque(g) for g in self.seed[m]]
     elif not self.is_local(s + 1):
       spec = [t for t in tf.nest.flatten(self.specs(s + 1))
               if t is not None and stage_ops.differentiable(t)]

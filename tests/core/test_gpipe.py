@@ -116,10 +116,11 @@ def test_inference_runs_whole_batch_stage_by_stage():
   assert stacks.max_rel_diff(out, x) == 0.0
 
 
-def test_bad_inline_stage_calls_is_named():
-  with pytest.raises(ValueError, match=r"net: inline_stage_calls='yes'; use "
-                     'None'):
-    stacks.net('nested', num_stages=2, inline_stage_calls='yes')
+@pytest.mark.parametrize('value', ['yes', 1])
+def test_bad_inline_stage_calls_is_named(value):
+  with pytest.raises(ValueError, match=rf'net: inline_stage_calls={value!r}; '
+                     'use None'):
+    stacks.net('nested', num_stages=2, inline_stage_calls=value)
 
 
 @pytest.mark.parametrize('kw,match', [

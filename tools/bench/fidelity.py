@@ -30,9 +30,10 @@ alone made it 19% faster.
 
 The measured step is the wall-clock step, unrecorded: what a user waits
 for. The recorded timeline's span is what the simulator models, but the
-timestamps perturb it — a recorded K=2 1F1B step (M=8) spanned 0.174 s
-while the same step unrecorded took 0.148 s wall-clock, update included,
-and its gradient hand-offs waited 4–8 ms for the sender's next op — so the
+timestamps can perturb it — with stage bodies called as `_noinline`
+functions, a recorded K=2 1F1B step (M=8) spanned 0.174 s while the same
+step unrecorded took 0.148 s wall-clock, update included, and its gradient
+hand-offs waited 4–8 ms for the sender's next op — so the
 recorded steps give the op times and the hop latency, and each prediction
 is the simulated span plus u_K = wall − span of K's M=1 calibration step
 (the SGD update, the end-of-step all-reduce, what the stamps add at M=1).
@@ -72,8 +73,11 @@ def _launch(net: common.NetSpec, m: int, reps: int, record: int
   """K=1 and K=2, both schedules, at M=m: wall steps, recorded spans and
   op times."""
   dims = [net.num_layers, net.width, net.batch]
+  # K=2 stage processes inline their stage bodies' calls; K=1, whose per-op
+  # overhead the model extrapolates to them, must too.
   configs = ([{'name': f'K=1 {s}', 'scope': 'local', 'tasks': [0], 'K': 1,
-               'M': m, 'schedule': s, 'net': dims} for s in SCHEDULES] +
+               'M': m, 'schedule': s, 'net': dims, 'inline': True}
+              for s in SCHEDULES] +
              [{'name': f'K=2 {s}', 'scope': 'run', 'K': 2, 'M': m,
                'schedule': s, 'net': dims} for s in SCHEDULES])
   run = stage_procs.launch({'configs': configs, 'warmup': 1, 'reps': reps,

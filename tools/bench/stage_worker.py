@@ -16,6 +16,10 @@ hand-written tape step), and how to time them. A configuration is either
   That is how one run holds both a K=1 reference and the ceiling C
   ("alone" = one task runs it, "together" = both run it at once).
 
+A configuration with `inline: true` inlines its stage bodies' calls as stage
+processes do by default (`p.inline_stage_calls`): a local reference that
+compares with them should.
+
 A configuration with `slice_us` sets the scheduler slice of this task's
 compute threads (`processes.shorten_slices`; 0: the kernel's default)
 before each of its steps, so two configurations that differ only there
@@ -75,7 +79,8 @@ def _build(tf: Any, cfg: dict[str, Any], peers: Any) -> Any:
       num_micro_batches=cfg['M'], input_shapes=[[spec.batch, spec.width]],
       schedule=cfg.get('schedule', 'gpipe'),
       recompute=cfg.get('recompute', 'always'),
-      virtual_stages_per_device=cfg.get('chunks', 2))
+      virtual_stages_per_device=cfg.get('chunks', 2),
+      inline_stage_calls=cfg.get('inline'))
   if cfg['scope'] == 'local':
     p.devices = [peers.device] * cfg['K']
   return p.Instantiate()
