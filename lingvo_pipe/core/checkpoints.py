@@ -226,9 +226,16 @@ def write_file_atomically(path: str, text: str) -> None:
 
 
 def delete(path: str) -> None:
-  """Deletes every file of checkpoint `path` (whole or sharded)."""
+  """Deletes every file of checkpoint `path` (whole or sharded).
+
+  Index files go first: a reader whose restore fails on a vanished data
+  file then finds the checkpoint gone (`exists`), not damaged. In listing
+  order, a continuous evaler once found ckpt-71's data file gone and its
+  index still there, and stopped on "cannot be read".
+  """
   logdir, base = os.path.split(path)
-  for name in _names(logdir):
+  names = sorted(_names(logdir), key=lambda n: not n.endswith('.index'))
+  for name in names:
     if name.startswith(base + '.') and (
         name[len(base) + 1:].startswith(('index', 'data-', 'stage'))):
       try:
