@@ -42,8 +42,8 @@ from lingvo_pipe.core.nested_map import NestedMap
 class StatsCollector:
   """Sums named trees of tensors added by layers during one or more FProps."""
 
-  def __init__(self) -> None:
-    self._stats: dict[str, NestedMap] = {}
+  def __init__(self, stats: dict[str, NestedMap] | None = None) -> None:
+    self._stats: dict[str, NestedMap] = dict(stats or {})
 
   def add(self, path: str, stats: NestedMap) -> None:
     if path in self._stats:

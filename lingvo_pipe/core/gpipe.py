@@ -125,6 +125,11 @@ class PipeliningLayer(base_layer.BaseLayer):
              'slower first step at large M. None: only in a multi-process '
              'run (stage processes, replicas), where each process runs one '
              'stage.')
+    p.Define('loop_steady_state', True, 'Trace the periodic middle of the '
+             'schedule (its steady state) as a tf.while_loop over micro-'
+             'batches, so that tracing time and graph size do not grow with '
+             'M. Only in one process without a timeline; stage processes '
+             'and recorded steps emit every op. False: emit every op.')
     p.Define('batch_dim', 0, 'Batch dimension of every tensor that crosses '
              'a stage boundary (1 for time-major [T, B, ...]).')
     return p
@@ -324,7 +329,7 @@ class PipeliningLayer(base_layer.BaseLayer):
       return x[0] if len(x) == 1 else x
     try:
       out = engine.run(stages, tuple(inputs), self._Schedule(inputs),
-                       self.params.batch_dim)
+                       self.params.batch_dim, self.params.loop_steady_state)
     except engine.EngineError as e:
       raise PipelineError(f'{self.path}: {e}') from None
     return out[0] if len(out) == 1 else out
@@ -356,7 +361,8 @@ class PipeliningLayer(base_layer.BaseLayer):
       return engine.run_with_loss(
           stages, tuple(inputs), labels, loss_fn, schedule,
           self.params.batch_dim, self._placement,
-          lambda s: self._BoundarySpec(s, n, schedule.num_micro_batches))
+          lambda s: self._BoundarySpec(s, n, schedule.num_micro_batches),
+          self.params.loop_steady_state)
     except engine.EngineError as e:
       raise PipelineError(f'{self.path}: {e}') from None
 

@@ -39,7 +39,7 @@ from lingvo_pipe.pipeline import placement as placement_lib
 from lingvo_pipe.pipeline import schedule as schedule_lib
 from lingvo_pipe.pipeline import stage_ops
 from lingvo_pipe.pipeline import walker as walker_lib
-from lingvo_pipe.pipeline.stage_ops import Stage, float_leaves
+from lingvo_pipe.pipeline.stage_ops import Stage
 
 __all__ = ['EngineError', 'Stage', 'run', 'run_with_loss']
 
@@ -95,7 +95,8 @@ def _merge_stats(stats: list[dict[str, Any]]) -> None:
 
 @tf.autograph.experimental.do_not_convert  # Graph code already.
 def run(stages: list[Stage], inputs: tuple[Any, ...],
-        schedule: schedule_lib.Schedule, batch_dim: int = 0) -> Any:
+        schedule: schedule_lib.Schedule, batch_dim: int = 0,
+        loop: bool = True) -> Any:
   """Pipelined, differentiable forward of `stages` over `inputs`.
 
   Args:
@@ -105,6 +106,8 @@ def run(stages: list[Stage], inputs: tuple[Any, ...],
       `batch_dim`.
     schedule: A schedule whose devices run all forwards first (GPipe).
     batch_dim: The batch dimension of every leaf.
+    loop: Emit the schedule's steady state as loops (walker.py) where it
+      can; False emits every op.
 
   Returns:
     The last stage's outputs for the whole batch (micro-batches
@@ -115,6 +118,9 @@ def run(stages: list[Stage], inputs: tuple[Any, ...],
   num_micro = schedule.num_micro_batches
   walker = walker_lib.Walker(stages, schedule, microbatch.batch_size(
       inputs, batch_dim, 'pipeline'), batch_dim)
+  walker.seeds = []  # Given once the outer tape asks for gradients.
+  if loop and walker.can_loop():
+    walker.plan(forward_ops + backward_ops)
   thetas = _read_thetas(stages)
   args = tf.nest.flatten(inputs) + tf.nest.flatten(thetas)
   structure: list[Any] = []
@@ -122,13 +128,10 @@ def run(stages: list[Stage], inputs: tuple[Any, ...],
   @tf.custom_gradient
   def _pipelined(*flat: tf.Tensor) -> Any:
     xs, walker.thetas = _pack_args(inputs, thetas, flat)
-    with tf.device(stages[0].device):
-      for m, x in enumerate(microbatch.split(xs, num_micro, batch_dim)):
-        walker.x[(0, m)] = x
+    walker.inputs = walker_lib.MicroBatches(xs, num_micro, batch_dim,
+                                            stages[0].device)
     walker.emit(forward_ops)
-    with tf.device(stages[-1].device):
-      out = microbatch.concat([walker.y[(walker.last, m)]
-                               for m in range(num_micro)], batch_dim)
+    out = walker.concat('y', walker.last)
     stats = walker.stage_stats()
     structure.extend([out, stats])
 
@@ -137,13 +140,12 @@ def run(stages: list[Stage], inputs: tuple[Any, ...],
       with tf.device(stages[-1].device):
         dy = tf.nest.map_structure(
             lambda g, y: tf.zeros_like(y) if g is None else g, dy, out)
-        for m, part in enumerate(microbatch.split(dy, num_micro, batch_dim)):
-          ys = tf.nest.flatten(walker.y[(walker.last, m)])
-          walker.seed[m] = [g for g, y in zip(tf.nest.flatten(part), ys)
-                            if stage_ops.differentiable(y)]
+      walker.seeds = walker_lib.MicroBatches(
+          [g for g, y in zip(tf.nest.flatten(dy), tf.nest.flatten(out))
+           if stage_ops.differentiable(y)], num_micro, batch_dim,
+          stages[-1].device)
       walker.emit(backward_ops)
-      with tf.device(stages[0].device):
-        dx = microbatch.concat(walker.input_grads(), batch_dim)
+      dx = walker.concat('dx', 0)
       return ([g if stage_ops.differentiable(x) else None
                for g, x in zip(tf.nest.flatten(dx), tf.nest.flatten(inputs))]
               + [g for a in walker.acc for g in tf.nest.flatten(a)])
@@ -171,14 +173,15 @@ def _loss_stage(stage: Stage, loss_fn: LossFn) -> Stage:
   return Stage(_fprop, stage.theta, stage.device, stage.inline)
 
 
-def _metric_sums(parts: list[dict[str, tuple[tf.Tensor, tf.Tensor]]]
+def _metric_sums(metrics: dict[str, tuple[tf.Tensor, tf.Tensor]]
                 ) -> dict[str, tf.Tensor]:
-  """Per-micro-batch (value, weight) → {name: [Σ value·weight, Σ weight]}."""
+  """{name: (values, weights)}, one of each per micro-batch (stacked) →
+  {name: [Σ value·weight, Σ weight]}."""
   out = {}
-  for name in parts[0]:
-    weights = [tf.cast(p[name][1], tf.float32) for p in parts]
-    sums = [tf.cast(p[name][0], tf.float32) * w for p, w in zip(parts, weights)]
-    out[name] = tf.stack([tf.add_n(sums), tf.add_n(weights)])
+  for name, (value, weight) in metrics.items():
+    weight = tf.cast(weight, tf.float32)
+    out[name] = tf.stack([tf.reduce_sum(tf.cast(value, tf.float32) * weight),
+                          tf.reduce_sum(weight)])
   return out
 
 
@@ -198,7 +201,7 @@ def run_with_loss(stages: list[Stage], inputs: tuple[Any, ...], labels: Any,
                   loss_fn: LossFn, schedule: schedule_lib.Schedule,
                   batch_dim: int = 0,
                   placement: placement_lib.Placement | None = None,
-                  specs: walker_lib.Specs | None = None
+                  specs: walker_lib.Specs | None = None, loop: bool = True
                  ) -> dict[str, tuple[tf.Tensor, tf.Tensor]]:
   """The whole step of any schedule: forwards, losses, backwards.
 
@@ -216,6 +219,7 @@ def run_with_loss(stages: list[Stage], inputs: tuple[Any, ...], labels: Any,
       gradients and statistics over its replicas.
     specs: Stage s → its input's per-micro-batch spec (s = #stages: the
       last stage's output); needed when stages run in other processes.
+    loop: As for `run`.
 
   Returns:
     {name: (weighted mean over the batch of every replica, Σ weight)}.
@@ -237,7 +241,7 @@ def run_with_loss(stages: list[Stage], inputs: tuple[Any, ...], labels: Any,
     walker.thetas = [None] * len(stages)
     for s, theta in zip(local, local_thetas):
       walker.thetas[s] = theta
-    _emit_local(walker, xs, labels, batch_dim)
+    _emit_local(walker, xs, labels, batch_dim, loop)
     sums = _reduced_metrics(walker, loss_fn, labels, specs, batch_dim)
     metrics = {name: (v[0] / tf.maximum(v[1], 1e-30), v[1])
                for name, v in sums.items()}
@@ -268,27 +272,21 @@ def run_with_loss(stages: list[Stage], inputs: tuple[Any, ...], labels: Any,
 
 
 def _emit_local(walker: walker_lib.Walker, xs: Any, labels: Any,
-                batch_dim: int) -> None:
-  """Splits the inputs and labels this process needs, then emits its ops;
-  once F(last, m) exists, seeds its backward: d(Σ value·weight) = 1."""
+                batch_dim: int, loop: bool) -> None:
+  """Splits the inputs and labels this process needs, then emits its ops
+  (the last stage seeds each backward itself: d(Σ value·weight) = 1)."""
   num_micro = walker.schedule.num_micro_batches
   last = walker.last
   if walker.is_local(0):
-    with tf.device(walker.stages[0].device):
-      for m, x in enumerate(microbatch.split(xs, num_micro, batch_dim)):
-        walker.x[(0, m)] = x
+    walker.inputs = walker_lib.MicroBatches(xs, num_micro, batch_dim,
+                                            walker.stages[0].device)
   if walker.is_local(last):
-    with tf.device(walker.stages[last].device):
-      walker.side = microbatch.split(labels, num_micro, batch_dim)
-  for d, op in schedule_lib.emission_order(walker.schedule):
-    walker.emit([(d, op)])
-    if op.kind == 'F' and walker.schedule.stage(d, op) == last and (
-        walker.is_local(last)):
-      outputs = float_leaves(walker.y[(last, op.micro_batch)])
-      with tf.device(walker.stages[last].device):
-        walker.seed[op.micro_batch] = (
-            [tf.ones_like(outputs[0])] +
-            [tf.zeros_like(t) for t in outputs[1:]])
+    walker.side = walker_lib.MicroBatches(labels, num_micro, batch_dim,
+                                          walker.stages[last].device)
+  order = schedule_lib.emission_order(walker.schedule)
+  if loop and walker.can_loop():
+    walker.plan(order)
+  walker.emit(order)
 
 
 def _reduced_metrics(walker: walker_lib.Walker, loss_fn: LossFn, labels: Any,
@@ -303,12 +301,12 @@ def _reduced_metrics(walker: walker_lib.Walker, loss_fn: LossFn, labels: Any,
   walker_last = walker.last
   placement = walker.placement
   if walker.is_local(walker_last):
+    metrics = walker.stacked('y', walker_last)[1]
     with tf.device(walker.stages[walker_last].device):
-      sums = _metric_sums([walker.y[(walker_last, m)][1]
-                           for m in range(walker.schedule.num_micro_batches)])
+      sums = _metric_sums(metrics)
   else:
-    micro = microbatch.split(labels, walker.schedule.num_micro_batches,
-                             batch_dim)[0]
+    micro = microbatch.one(labels, walker.schedule.num_micro_batches,
+                           batch_dim, 0)
     sums = {name: tf.zeros([2]) for name in _metric_names(
         loss_fn, specs(len(walker.stages)), micro)}
   if not placement.multi_process:
@@ -336,10 +334,10 @@ def _scaled_grads(walker: walker_lib.Walker, local: list[int],
 def _input_grads(walker: walker_lib.Walker, inputs: Any, scale: tf.Tensor,
                  batch_dim: int) -> list[tf.Tensor | None]:
   """Gradients of the float inputs (where stage 0 runs here), ÷ Σ weight."""
+  del batch_dim  # The walker's.
   if not walker.is_local(0):
     return [None] * len(tf.nest.flatten(inputs))
-  with tf.device(walker.stages[0].device):
-    dx = microbatch.concat(walker.input_grads(), batch_dim)
+  dx = walker.concat('dx', 0)
   return [g * tf.cast(scale, g.dtype) if stage_ops.differentiable(x)
           else None for g, x in zip(tf.nest.flatten(dx),
                                     tf.nest.flatten(inputs))]

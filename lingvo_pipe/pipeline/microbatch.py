@@ -99,26 +99,63 @@ def split(inputs: Any, num_micro_batches: int, batch_dim: int) -> list[Any]:
   """
   if num_micro_batches == 1:
     return [inputs]
-  leaves = [None if x is None else tf.convert_to_tensor(x)
-            for x in tf.nest.flatten(inputs)]
-  out = []
-  for m in range(num_micro_batches):
-    parts = []
-    for x in leaves:
-      if x is None:
-        parts.append(None)
-        continue
-      n = x.shape[batch_dim]  # Static if known: the slice keeps it.
-      size = (n // num_micro_batches if n is not None else
-              tf.shape(x)[batch_dim] // num_micro_batches)
-      begin = [0] * x.shape.rank
-      begin[batch_dim] = m * size
-      extent = [-1] * x.shape.rank
-      extent[batch_dim] = size
-      parts.append(tf.slice(x, tf.stack(begin), tf.stack(extent)) if
-                   n is None else tf.slice(x, begin, extent))
-    out.append(tf.nest.pack_sequence_as(inputs, parts))
-  return out
+  return [one(inputs, num_micro_batches, batch_dim, m)
+          for m in range(num_micro_batches)]
+
+
+def one(inputs: Any, num_micro_batches: int, batch_dim: int, m: int) -> Any:
+  """Micro-batch m of `split(inputs, ...)`: one slice op per leaf."""
+  if num_micro_batches == 1:
+    return inputs
+  parts = []
+  for x in tf.nest.flatten(inputs):
+    if x is None:
+      parts.append(None)
+      continue
+    x = tf.convert_to_tensor(x)
+    n = x.shape[batch_dim]  # Static if known: the slice keeps it.
+    size = (n // num_micro_batches if n is not None else
+            tf.shape(x)[batch_dim] // num_micro_batches)
+    begin = [0] * x.shape.rank
+    begin[batch_dim] = m * size
+    extent = [-1] * x.shape.rank
+    extent[batch_dim] = size
+    parts.append(tf.slice(x, tf.stack(begin), tf.stack(extent)) if
+                 n is None else tf.slice(x, begin, extent))
+  return tf.nest.pack_sequence_as(inputs, parts)
+
+
+def stack(inputs: Any, num_micro_batches: int, batch_dim: int) -> Any:
+  """[..., N, ...] leaves → [M, ..., N/M, ...]: row m is micro-batch m of
+  `split` (a reshape and a transpose, for a loop to index)."""
+
+  def _stack(x: Any) -> Any:
+    if x is None:
+      return None
+    x = tf.convert_to_tensor(x)
+    shape = tf.shape(x)
+    split_shape = tf.concat([shape[:batch_dim], [num_micro_batches, -1],
+                             shape[batch_dim + 1:]], 0)
+    rank = x.shape.rank
+    perm = [batch_dim] + [i for i in range(rank + 1) if i != batch_dim]
+    return tf.transpose(tf.reshape(x, split_shape), perm)
+  return tf.nest.map_structure(_stack, inputs)
+
+
+def unstack(stacked: Any, batch_dim: int) -> Any:
+  """Inverse of `stack`: [M, ..., n, ...] leaves → [..., M·n, ...]."""
+
+  def _unstack(x: Any) -> Any:
+    if x is None:
+      return None
+    rank = x.shape.rank
+    perm = [i + 1 for i in range(batch_dim)] + [0] + list(
+        range(batch_dim + 1, rank))
+    moved = tf.transpose(x, perm)
+    shape = tf.shape(moved)
+    merged = tf.concat([shape[:batch_dim], [-1], shape[batch_dim + 2:]], 0)
+    return tf.reshape(moved, merged)
+  return tf.nest.map_structure(_unstack, stacked)
 
 
 def concat(micro_outputs: list[Any], batch_dim: int) -> Any:

@@ -324,6 +324,10 @@ def make_plan(p: Any, where: str, profile_inputs: Any = None) -> Plan:
       p.inline_stage_calls, bool):
     raise PlanError(f'{where}: inline_stage_calls={p.inline_stage_calls!r}; '
                     'use None (inline on stage processes), True or False.')
+  if not isinstance(p.loop_steady_state, bool):
+    raise PlanError(f'{where}: loop_steady_state={p.loop_steady_state!r}; '
+                    'use True (loop over the steady state) or False (emit '
+                    'every op).')
   chunks = p.virtual_stages_per_device if p.schedule == 'interleaved' else 1
   if not isinstance(chunks, int) or chunks < 1:
     raise PlanError(f'{where}: virtual_stages_per_device={chunks!r}; use an '

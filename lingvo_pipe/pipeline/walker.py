@@ -9,6 +9,12 @@ stage holds. What an op
 makes for another process is sent as soon as it exists; no later op waits
 on a send (a send completes only when its receiver is ready, and two stages
 that each waited on their own send would wait for ever).
+
+In one process the steady state of a schedule is a loop (`loops.py`): the
+walker emits one period of ops as the body of a `tf.while_loop`, so that
+tracing and the graph stay the same size for any M. The body runs the
+same `_forward` and `_backward` as every other op; only where a value
+comes from changes (`looping.py`).
 """
 
 from __future__ import annotations
@@ -17,12 +23,15 @@ from typing import Any, Callable, Sequence
 
 import tensorflow as tf
 
-from lingvo_pipe import errors
 from lingvo_pipe.core import fprop_context
 from lingvo_pipe.core.fprop_context import StatsCollector
+from lingvo_pipe.pipeline import looping
+from lingvo_pipe.pipeline import loops
 from lingvo_pipe.pipeline import placement as placement_lib
 from lingvo_pipe.pipeline import schedule as schedule_lib
 from lingvo_pipe.pipeline import stage_ops
+from lingvo_pipe.pipeline.looping import MicroBatches, leaves
+from lingvo_pipe.pipeline.looping import opaque as _opaque
 from lingvo_pipe.pipeline.stage_ops import Stage, chained, float_leaves
 
 Specs = Callable[[int], Any]  # Stage s → per-micro-batch spec of its input.
@@ -39,32 +48,7 @@ Specs = Callable[[int], Any]  # Stage s → per-micro-batch spec of its input.
 RECV_LOOKAHEAD = 3
 
 
-class WalkerError(errors.LingvoPipeError):
-  """A stage list or placement the walker cannot run; names the fix."""
-
-
-def _index(m: int) -> tf.Tensor:
-  """Micro-batch index m as a tensor that Grappler will not constant-fold.
-
-  A constant argument makes Grappler specialise the called stage function
-  per value — M optimised copies of every stage body, which made the first
-  call of a K=1, M=8 Transformer step take ~20 s instead of ~1 s.
-  """
-  return _opaque(tf.constant(m, tf.int32))
-
-
-def _opaque(x: tf.Tensor) -> tf.Tensor:
-  """`x`, hidden from Grappler's constant folding.
-
-  Grappler's function optimizer specialises a call that has a constant
-  input: one optimised copy of the stage body per call site. The loss
-  seeds (ones and zeros), the first accumulator (zeros) and the first
-  op's `after` (a zero) fold to constants, so every backward of the last
-  stage got its own copy: the first call of a K=2 step (12 × Transformer
-  layer, model dim 128) took 22 s instead of 8 s at M=32, 6.9 s instead of
-  4.2 s at M=8, and its steps ran 7% slower.
-  """
-  return tf.compat.v1.placeholder_with_default(x, x.shape)
+WalkerError = looping.WalkerError
 
 
 def _unordered(outputs: Sequence[tf.Tensor]) -> None:
@@ -84,11 +68,7 @@ def _unordered(outputs: Sequence[tf.Tensor]) -> None:
       manager.run_independently(op)
 
 
-def leaves(nest: Any) -> list[tf.Tensor]:
-  return [t for t in tf.nest.flatten(nest) if t is not None]
-
-
-class Walker:
+class Walker(looping.Looping):
   """Emits the ops of one schedule and holds what they exchange."""
 
   def __init__(self, stages: Sequence[Stage], schedule: schedule_lib.Schedule,
@@ -114,7 +94,7 @@ class Walker:
     self.placement = placement or placement_lib.Placement(
         placement_lib.collective.Peers.local(), schedule.num_devices)
     self.specs = specs
-    self.step = _opaque(tf.cast(ctx.step, tf.int64))  # See _index.
+    self.step = _opaque(tf.cast(ctx.step, tf.int64))  # See looping._index.
     self.timeline = ctx.timeline
     num_micro = schedule.num_micro_batches
     micro_size = batch_size // num_micro
@@ -132,11 +112,17 @@ class Walker:
     clock = stage_ops.Clock(ctx.timeline is not None)
     self.ops = [stage_ops.StageOps(stage, _scope, clock) for stage in stages]
     self.thetas: list[Any] = []
-    self.x: dict[tuple[int, int], Any] = {}  # Stage inputs (boundaries).
-    self.y: dict[tuple[int, int], Any] = {}  # Stage outputs.
-    self.dx: dict[tuple[int, int], Any] = {}  # Gradients of stage inputs.
-    self.seed: dict[int, list[tf.Tensor]] = {}  # Last stage's output grads.
-    self.side: list[Any] | None = None  # Labels, per micro-batch.
+    # Per micro-batch, from the caller: stage 0's inputs, the last stage's
+    # labels, and (for `engine.run`) the gradients of its outputs; None:
+    # the last stage computes a loss and seeds its own backward.
+    self.batch_dim = batch_dim
+    self.inputs: MicroBatches | None = None
+    self.side: MicroBatches | None = None
+    self.seeds: MicroBatches | list[Any] | None = None
+    # What ops pass each other, by (stage, micro-batch).
+    self.x = looping.Store('x', self._resolve)  # Stage inputs (boundaries).
+    self.y = looping.Store('y', self._resolve)  # Stage outputs.
+    self.dx = looping.Store('dx', self._resolve)  # Gradients of stage inputs.
     self.tapes: dict[tuple[int, int], tf.GradientTape] = {}
     self.acc: list[Any] = [None] * len(stages)
     # Each device's latest ops' outputs, oldest first: the last one is what
@@ -144,7 +130,13 @@ class Walker:
     self.done: list[list[list[tf.Tensor]]] = [[] for _ in range(len(schedule))]
     self.stats = [StatsCollector() for _ in stages]
     self.tokens: list[tf.Tensor] = []  # Sends; the step's end waits on them.
-    self.fused: set[tuple[int, int]] = set()
+    # Loops (see `plan`): what is left to emit, the TensorArrays families
+    # were written to, and the loop being emitted (None: none).
+    self.segments: list[loops.Segment] | None = None
+    self._zeros: dict[int, tf.Tensor] = {}
+    self._arrays: dict[loops.Family, looping.Array] = {}
+    self._stacked: dict[str, Any] = {}
+    self._loop: looping.Frame | None = None
 
   @property
   def last(self) -> int:
@@ -160,11 +152,30 @@ class Walker:
     return [s for s in range(len(self.stages)) if self.is_local(s)]
 
   def emit(self, ops: Sequence[tuple[int, schedule_lib.Op]]) -> None:
-    """Emits the local ones of `ops` ((device, op) in dependency order)."""
+    """Emits the local ones of `ops` ((device, op) in dependency order);
+    after `plan`, the next len(ops) ops of the plan, loops as loops."""
+    if self.segments is None:
+      self._emit_ops(ops)
+      return
+    left = len(ops)
+    while left:
+      segment = self.segments.pop(0)
+      if isinstance(segment, loops.Loop):
+        self._emit_loop(segment)
+        left -= len(segment.ops) * segment.count
+      else:
+        self._emit_ops(segment[:left])
+        if len(segment) > left:
+          self.segments.insert(0, segment[left:])
+        left -= min(left, len(segment))
+      if left < 0:
+        raise WalkerError('A loop crosses the end of the ops to emit.')
+
+  def _emit_ops(self, ops: Sequence[tuple[int, schedule_lib.Op]]) -> None:
     for d, op in ops:
       s, m = self.schedule.stage(d, op), op.micro_batch
       if not self.placement.is_local(d) or (
-          op.kind == 'B' and (s, m) in self.fused):
+          op.kind == 'B' and self.schedule.rebuilds(s, m)):
         continue  # Another process's, or emitted with its R.
       with tf.name_scope(f'stage{s}_{op.kind}{m}'):
         if op.kind == 'F':
@@ -215,7 +226,7 @@ class Walker:
   def _input(self, s: int, m: int, d: int) -> Any:
     """F(s, m)'s input, placed on s's device once (R reads it again)."""
     if s == 0:
-      return self.x[(0, m)]
+      return self._micro('inputs', m)
     if not self.is_local(s - 1):
       return self._recv(self.specs(s), s - 1, ('F', s, m), d)
     with tf.device(self.stages[s].device):
@@ -224,14 +235,15 @@ class Walker:
   def _forward(self, s: int, m: int, d: int) -> None:
     ops, theta = self.ops[s], self.thetas[s]
     x = self._input(s, m, d)
-    side = self.side[m] if s == self.last and self.side else None
+    side = self._micro('side', m) if s == self.last and self.side else None
     if self.schedule.rebuilds(s, m):
       y, stats, times = ops.forward(theta, x, side, self._after(d),
-                                    _index(m), self.step)
+                                    self._mi(m), self.step)
       _unordered(times)
     else:  # Kept, inline: the backward needs this tape.
       x, y, stats, times, self.tapes[(s, m)] = ops.kept_forward(
-          theta, x, side, self._after(d), m, self.step)
+          theta, x, side, self._after(d),
+          m if self._loop is None else self._mi(m), self.step)
     self.x[(s, m)], self.y[(s, m)] = x, y
     with tf.device(self.stages[s].device):
       self.stats[s].merge(stats)
@@ -244,7 +256,12 @@ class Walker:
     """Gradients of F(s, m)'s float outputs, on s's device."""
     if s == self.last:
       with tf.device(self.stages[s].device):
-        grads = [_opaque(g) for g in self.seed[m]]
+        if self.seeds is not None:
+          grads = [_opaque(g) for g in self._micro('seeds', m)]
+        else:  # The loss: d(Σ value·weight) = 1, d(metrics) = 0.
+          outputs = float_leaves(self.y[(s, m)])
+          grads = [_opaque(g) for g in [tf.ones_like(outputs[0])] +
+                   [tf.zeros_like(t) for t in outputs[1:]]]
     elif not self.is_local(s + 1):
       spec = [t for t in tf.nest.flatten(self.specs(s + 1))
               if t is not None and stage_ops.differentiable(t)]
@@ -257,7 +274,7 @@ class Walker:
   def _backward(self, s: int, m: int, d: int) -> None:
     ops, theta, x = self.ops[s], self.thetas[s], self.x[(s, m)]
     dys = self._output_grads(s, m, d)
-    side = self.side[m] if s == self.last and self.side else None
+    side = self._micro('side', m) if s == self.last and self.side else None
     if self.schedule.rebuilds(s, m):  # R+B, one call.
       acc = self.acc[s]
       if acc is None:
@@ -265,9 +282,8 @@ class Walker:
           acc = tf.nest.map_structure(
               lambda t: _opaque(tf.zeros_like(t)), theta)
       dx, self.acc[s], times = ops.backward(
-          theta, x, side, dys, self._after(d), _index(m), self.step, acc)
+          theta, x, side, dys, self._after(d), self._mi(m), self.step, acc)
       _unordered(times)
-      self.fused.add((s, m))
       self._record(s, m, 'RB', times)
     else:
       dx, self.acc[s], times = ops.kept_backward(
@@ -281,9 +297,6 @@ class Walker:
     self._advance(d, leaves((dx, self.acc[s])))
     if s > 0:
       self._send(list(dx), s - 1, ('B', s - 1, m))
-
-  def input_grads(self) -> list[Any]:
-    return [self.dx[(0, m)] for m in range(self.schedule.num_micro_batches)]
 
   def stage_stats(self) -> list[dict[str, Any]]:
     return [c.stats for c in self.stats]

@@ -28,14 +28,17 @@ DEVICES = [f'/device:CPU:{k}' for k in range(4)]
 _BATCH = 840  # Divisible by every M ≤ 8.
 
 
-def _net(schedule: str, k: int, m: int, recompute: str):
+def _net(schedule: str, k: int, m: int, recompute: str, loop: bool = False):
   layers = [linear.FCLayer.Params().Set(name=f'fc{i}', input_dim=4,
                                         output_dim=4, activation='TANH')
             for i in range(8)]
   p = gpipe.PipeliningLayer.Params().Set(
       name='net', layers=layers, num_stages=k, num_micro_batches=m,
       recompute=recompute, schedule=schedule, devices=DEVICES[:k],
-      input_shapes=[[_BATCH, 4]])
+      input_shapes=[[_BATCH, 4]],
+      # Every op in the one graph this test walks; the loops' order is
+      # test_loops.py's.
+      loop_steady_state=loop)
   return p.Instantiate()
 
 

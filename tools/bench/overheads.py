@@ -5,13 +5,18 @@
   weights costs (target ≤ 1.05×).
 * Recompute re-runs each stage's forward in the backward: ≤ 1.33× the step
   (backward ≈ 2 × forward, so one extra forward is ~+33%).
-* Tracing (issue 10): the engine unrolls the schedule into one graph, so
-  tracing grows with M. Measured for the training step the trainer runs
-  (FPropLoss: the loss in the last stage; GPipe and 1F1B) and for FProp
-  under an outer tape, K=2 (two logical devices of this process: tracing
-  does not depend on where stages run), M=8 and M=64; target ≤ 1.5×. Each
-  figure is the median of several traces of fresh step functions, after
-  one dropped warm-up trace.
+* Tracing (issue 10): the engine emits the periodic middle of a schedule
+  as a `tf.while_loop` (walker.py, loops.py), so tracing should not grow
+  with M. Measured for the training step the trainer runs (FPropLoss: the
+  loss in the last stage; GPipe and 1F1B) and for FProp under an outer
+  tape, K=2 (two logical devices of this process: tracing does not depend
+  on where stages run), M=8 and M=64; target ≤ 1.5×. Each figure is the
+  median of several traces of fresh step functions, after one dropped
+  warm-up trace; the same traces with `loop_steady_state=False` (every op
+  emitted) are printed beside them.
+* What the loop costs a step: the FPropLoss steps at M=64, looped and
+  emitted op by op, side by side (first call: tracing, Grappler, first
+  run; then the median of alternating steps).
 """
 
 from __future__ import annotations
@@ -83,13 +88,14 @@ def _loss_fn(y: tf.Tensor, labels: tf.Tensor) -> dict[str, Any]:
 
 
 def _trace_step(spec: common.NetSpec, m: int, form: str,
-                devices: list[str]) -> Callable[[], Any]:
+                devices: list[str], loop: bool = True) -> Callable[[], Any]:
   """A fresh, untraced training step of the given form."""
   schedule = 'gpipe' if form == 'FProp' else form.split()[1]
   net = gpipe.PipeliningLayer.Params().Set(
       name='net', layers=spec.layer_params(), num_stages=TRACE_K,
       num_micro_batches=m, input_shapes=[[spec.batch, spec.width]],
-      devices=devices, schedule=schedule).Instantiate()
+      devices=devices, schedule=schedule,
+      loop_steady_state=loop).Instantiate()
   x = common.make_input(spec, devices[0])
   if form == 'FProp':
     return common.pipeline_step(net, x)
@@ -108,9 +114,9 @@ def _trace_step(spec: common.NetSpec, m: int, form: str,
 
 
 def _trace_once(spec: common.NetSpec, m: int, form: str,
-                devices: list[str]) -> tuple[float, int]:
+                devices: list[str], loop: bool = True) -> tuple[float, int]:
   """Seconds to trace a fresh step function, and its graph's op count."""
-  step = _trace_step(spec, m, form, devices)
+  step = _trace_step(spec, m, form, devices, loop)
   start = time.perf_counter()
   graph = step.get_concrete_function().graph
   seconds = time.perf_counter() - start
@@ -132,14 +138,38 @@ def _tracing(spec: common.NetSpec, traces: int) -> list[dict[str, Any]]:
   rows = []
   for form in ('FPropLoss gpipe', 'FPropLoss 1f1b', 'FProp'):
     _trace_once(spec, TRACE_MS[0], form, devices)  # Warm-up, dropped.
-    seconds: dict[int, list[float]] = {m: [] for m in TRACE_MS}
+    seconds: dict[tuple[int, bool], list[float]] = {
+        (m, loop): [] for m in TRACE_MS for loop in (True, False)}
     ops = {}
     for _ in range(traces):
-      for m in TRACE_MS:
-        t, ops[m] = _trace_once(spec, m, form, devices)
-        seconds[m].append(t)
-    rows += [{'form': form, 'M': m, 'trace_s': statistics.median(
-        seconds[m]), 'graph_ops': ops[m]} for m in TRACE_MS]
+      for key in seconds:
+        t, ops[key] = _trace_once(spec, key[0], form, devices, key[1])
+        seconds[key].append(t)
+    rows += [{'form': form, 'M': m,
+              'trace_s': statistics.median(seconds[(m, True)]),
+              'graph_ops': ops[(m, True)],
+              'unrolled_trace_s': statistics.median(seconds[(m, False)]),
+              'unrolled_graph_ops': ops[(m, False)]} for m in TRACE_MS]
+  return rows
+
+
+def _loop_cost(spec: common.NetSpec, reps: int) -> list[dict[str, Any]]:
+  """First call and step of the M=64 training steps, looped and emitted
+  op by op, measured side by side."""
+  devices = devices_lib.default_devices(TRACE_K)
+  m = TRACE_MS[-1]
+  rows = []
+  for form in ('FPropLoss gpipe', 'FPropLoss 1f1b'):
+    steps = {loop: _trace_step(spec, m, form, devices, loop)
+             for loop in (True, False)}
+    first = {loop: common.first_call(fn) for loop, fn in steps.items()}
+    times = common.interleaved({str(k): fn for k, fn in steps.items()}, reps)
+    step = {loop: common.median(times[str(loop)]) for loop in steps}
+    rows.append({'form': form, 'M': m, 'first_loop_s': first[True],
+                 'first_unrolled_s': first[False], 'step_loop_s': step[True],
+                 'step_unrolled_s': step[False],
+                 'step_ratio': step[True] / step[False]})
+    common.release()
   return rows
 
 
@@ -153,6 +183,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
   steps, ops = _versus(spec, '/device:CPU:0', reps)
   common.log(f'overheads: tracing at M={TRACE_MS}')
   tracing = _tracing(spec, traces)
+  common.log(f'overheads: looped vs op-by-op steps at M={TRACE_MS[-1]}')
+  loop_cost = _loop_cost(spec, reps)
   growth = {}
   for form in {r['form'] for r in tracing}:
     a, b = (next(r for r in tracing if r['form'] == form and r['M'] == m)
@@ -171,6 +203,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
       for form in ('FPropLoss gpipe', 'FPropLoss 1f1b')]
   return {'network': spec.describe(), 'step_s': steps, 'op_s': ops,
           'tracing': tracing, 'growth': growth, 'targets': targets,
+          'loop_cost': loop_cost,
           'traces': traces,
           'devices': 'this process, pinned to core 0 (single-threaded TF); '
                      'tracing on 2 logical CPU devices'}
@@ -193,9 +226,23 @@ def render(s: dict[str, Any]) -> str:
       f'Tracing a training step, K={TRACE_K} (median of {s["traces"]} '
       'traces of fresh step functions):',
       '',
-      report.table(['form', 'M', 'graph ops', 'trace (s)'],
-                   [[r['form'], r['M'], r['graph_ops'], r['trace_s']]
+      report.table(['form', 'M', 'graph ops', 'trace (s)',
+                    'op by op: graph ops', 'op by op: trace (s)'],
+                   [[r['form'], r['M'], r['graph_ops'], r['trace_s'],
+                     r.get('unrolled_graph_ops', '—'),
+                     r.get('unrolled_trace_s', '—')]
                     for r in s['tracing']]),
+      '',
+      'What the loop costs a training step (K=2 on 2 logical devices, one '
+      'core; first call = tracing, Grappler and the first run):',
+      '',
+      report.table(['form', 'M', 'first call, looped (s)',
+                    'first call, op by op (s)', 'step, looped (s)',
+                    'step, op by op (s)', 'looped ÷ op by op'],
+                   [[r['form'], r['M'], r['first_loop_s'],
+                     r['first_unrolled_s'], r['step_loop_s'],
+                     r['step_unrolled_s'], r['step_ratio']]
+                    for r in s.get('loop_cost', [])]),
       '',
       report.target_lines(s['targets']),
   ]
@@ -212,13 +259,10 @@ def render(s: dict[str, Any]) -> str:
   if not all(t['met'] for t in s['targets'][2:]):
     g = s['growth']
     notes.append(
-        'tracing: the schedule is unrolled — each (stage, micro-batch) op is '
-        'one call of a traced stage body, and each call still costs Python '
-        'work (argument flattening, the call op, chaining identities, '
-        'recv/send, stamps), so the graph grows ' + ', '.join(
-            f'{v["ops"]:.1f}× ({f})' for f, v in sorted(g.items())) +
-        f' from M={TRACE_MS[0]} to M={TRACE_MS[1]}; a loop over the steady '
-        'state (tf.while_loop) would make it independent of M')
+        'tracing: what is emitted op by op (warm-up, drain, the reads of '
+        'each micro-batch\'s outputs) still grows with M: the graph grows '
+        + ', '.join(f'{v["ops"]:.2f}× ({f})' for f, v in sorted(g.items())) +
+        f' from M={TRACE_MS[0]} to M={TRACE_MS[1]}')
   if notes:
     lines.append('- What limits it: ' + '; '.join(notes) + '.')
   return '\n'.join(lines)

@@ -1,0 +1,205 @@
+"""Loops over the steady state: the same step, a graph that does not grow with M.
+
+`loops.plan` cuts a schedule's emission order into ops emitted one by one
+and `tf.while_loop`s over its periodic runs. Unrolled, the plan must be
+exactly the emission order; the ops left outside loops must not grow with
+M; 1F1B's loops must carry no more micro-batches than a stage holds; and a
+step emitted with loops must compute what the step emitted op by op does
+(the transparency tests of test_gpipe and test_fprop_loss run with loops
+too, against an unpipelined reference).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import tensorflow as tf
+
+from lingvo_pipe.core import fprop_context
+from lingvo_pipe.core import gpipe
+from lingvo_pipe.layers import linear
+from lingvo_pipe.pipeline import loops
+from lingvo_pipe.pipeline import schedule as schedule_lib
+from lingvo_pipe.pipeline import walker as walker_lib
+from lingvo_pipe.pipeline.stage_ops import Stage
+
+import pipeline_stacks as stacks  # pylint: disable=g-bad-import-order
+
+LOOPED = ('always', 'needed', 'except_last')
+
+
+def _plan(name: str, k: int, m: int, recompute: str,
+          seeds: bool = False) -> tuple[list, list[loops.Segment], loops.IO]:
+  """(emission order, plan, what each op reads and writes) as the engine's
+  walker makes them."""
+  schedule = schedule_lib.make_schedule(
+      name, k, m, recompute, 2 if name == 'interleaved' else 1)
+  stages = [Stage(lambda theta, x: x, [], '/device:CPU:0')
+            for _ in range(schedule.num_stages)]
+  with tf.Graph().as_default():
+    walker = walker_lib.Walker(stages, schedule, m, 0)
+  walker.seeds = [] if seeds else None
+  order = schedule_lib.emission_order(schedule)
+  walker.plan(order)
+  return order, walker.segments, walker._io  # pylint: disable=protected-access
+
+
+def _unrolled(segments: list[loops.Segment]) -> list:
+  ops = []
+  for seg in segments:
+    if isinstance(seg, loops.Loop):
+      ops += [(d, op._replace(micro_batch=seg.micro_batch(op.micro_batch, i)))
+              for i in seg.iterations() for d, op in seg.ops]
+    else:
+      ops += seg
+  return ops
+
+
+def _plain(segments: list[loops.Segment]) -> int:
+  return sum(len(s) for s in segments if not isinstance(s, loops.Loop))
+
+
+@pytest.mark.parametrize('name,k,m,recompute', list(itertools.product(
+    ('gpipe', '1f1b', 'interleaved'), (1, 2, 4), (4, 8, 16, 64),
+    stacks.POLICIES)))
+def test_plan_unrolled_is_the_emission_order(name, k, m, recompute):
+  order, segments, _ = _plan(name, k, m, recompute)
+  assert _unrolled(segments) == order
+
+
+@pytest.mark.parametrize('name,k,recompute', [
+    (n, k, r) for n, k, r in itertools.product(('gpipe', '1f1b'), (1, 2, 4),
+                                               LOOPED)
+    # A kept stage's tapes cannot cross from GPipe's forward loop to its
+    # backward one (nor can K=1's, whose one stage is the last).
+    if r != 'except_last' or (n, k) not in (('gpipe', 2), ('gpipe', 4),
+                                            ('gpipe', 1), ('1f1b', 1))])
+def test_ops_outside_loops_do_not_grow_with_m(name, k, recompute):
+  _, at16, _ = _plan(name, k, 16, recompute)
+  _, at64, _ = _plan(name, k, 64, recompute)
+  assert any(isinstance(s, loops.Loop) for s in at64)
+  assert _plain(at64) == _plain(at16)
+
+
+@pytest.mark.parametrize('k,recompute', list(itertools.product((2, 3, 4), LOOPED)))
+def test_one_f_one_b_loops_carry_at_most_k_micro_batches(k, recompute):
+  # Stage s holds K − s saved inputs in 1F1B's steady state; the loop's
+  # delay lines hold no more, so its memory bound stays.
+  _, segments, _ = _plan('1f1b', k, 32, recompute)
+  for loop in (s for s in segments if isinstance(s, loops.Loop)):
+    for (family, stage), length in loop.delays.items():
+      if family == 'x':
+        assert length <= k - stage, (stage, loop.delays)
+    assert not any(f[0] == 'x' for f in loop.arrays), loop.arrays
+
+
+@pytest.mark.parametrize('name,recompute', list(itertools.product(
+    ('gpipe', '1f1b'), stacks.POLICIES)))
+def test_a_tape_never_leaves_its_iteration(name, recompute):
+  for k in (1, 2, 4):
+    _, segments, io = _plan(name, k, 16, recompute)
+    for loop in (s for s in segments if isinstance(s, loops.Loop)):
+      made = {key for d, op in loop.ops for key in io(d, op)[1]
+              if key[0] == 'tape'}
+      read = {key for d, op in loop.ops for key in io(d, op)[0]
+              if key[0] == 'tape'}
+      assert made == read
+
+
+def _step(model: str, schedule: str, form: str, m: int, recompute: str,
+          loop: bool):
+  net, inputs = stacks.net(model, num_stages=2, num_micro_batches=m,
+                           recompute=recompute, schedule=schedule,
+                           loop_steady_state=loop)
+  if form == 'FProp':
+    return net, tf.function(lambda: stacks.pipelined(net, inputs))
+  labels = stacks.loss_labels(model)
+
+  def _run():
+    collector = fprop_context.StatsCollector()
+    with tf.GradientTape() as tape:
+      with fprop_context.scope(training=True, step=7, stats=collector):
+        metrics = net.FPropLoss(net.theta, inputs, labels,
+                                stacks.weighted_loss)
+    grads = tape.gradient(metrics['loss'][0], net.theta)
+    return metrics, grads, collector.stats
+  return net, tf.function(_run)
+
+
+@pytest.mark.parametrize('model,schedule,form,recompute', [
+    (model, s, f, r) for model in stacks.MODELS
+    for s, f in (('gpipe', 'FProp'), ('gpipe', 'FPropLoss'),
+                 ('1f1b', 'FPropLoss'))
+    for r in ('always', 'needed')])
+def test_looped_step_equals_step_emitted_op_by_op(model, schedule, form,
+                                                  recompute):
+  results = []
+  for loop in (True, False):
+    _, step = _step(model, schedule, form, 8, recompute, loop)
+    graph = step.get_concrete_function().graph
+    has_loop = any(op.type in ('While', 'StatelessWhile')
+                   for op in graph.get_operations())
+    assert has_loop == loop
+    results.append(step())
+  looped, unrolled = (tf.nest.flatten(r) for r in results)
+  assert len(looped) == len(unrolled)
+  assert stacks.max_rel_diff(looped, unrolled) <= 1e-6
+
+
+def _fc_step(schedule: str, form: str, m: int, loop: bool):
+  layers = [linear.FCLayer.Params().Set(name=f'fc{i}', input_dim=4,
+                                        output_dim=4, activation='TANH')
+            for i in range(4)]  # K=2 × 2 chunks for 'interleaved'.
+  net = gpipe.PipeliningLayer.Params().Set(
+      name='net', layers=layers, num_stages=2, num_micro_batches=m,
+      schedule=schedule, devices=stacks.DEVICES[:2], input_shapes=[[64, 4]],
+      loop_steady_state=loop).Instantiate()
+  x, labels = tf.ones([64, 4]), tf.ones([64])
+
+  @tf.function(autograph=False)
+  def _step():
+    with tf.GradientTape() as tape:
+      with fprop_context.scope(training=True, step=0):
+        if form == 'FProp':
+          loss = tf.reduce_sum(net.FProp(net.theta, x))
+        else:
+          loss = net.FPropLoss(net.theta, (x,), labels, lambda y, w: {
+              'loss': (tf.reduce_mean(y), tf.reduce_sum(w))})['loss'][0]
+    return tape.gradient(loss, net.trainable_variables)
+  return _step
+
+
+@pytest.mark.parametrize('schedule,form', [
+    ('gpipe', 'FProp'), ('gpipe', 'FPropLoss'), ('1f1b', 'FPropLoss')])
+def test_graph_size_does_not_grow_with_m(schedule, form):
+  sizes = {}
+  for loop, m in itertools.product((True, False), (8, 32)):
+    graph = _fc_step(schedule, form, m, loop).get_concrete_function().graph
+    sizes[(loop, m)] = len(graph.get_operations())
+  # Emitted op by op, each micro-batch adds its ops; with loops only the
+  # per-micro-batch reads of the step's outputs remain.
+  grown = sizes[(False, 32)] - sizes[(False, 8)]
+  assert grown > 500, sizes
+  assert sizes[(True, 32)] - sizes[(True, 8)] <= 0.2 * grown, sizes
+
+
+@pytest.mark.parametrize('schedule', ['interleaved', '1f1b'])
+def test_looped_and_op_by_op_fc_steps_agree_at_m16(schedule):
+  # The interleaved schedule's period shifts micro-batches by K, and needs
+  # M = 16 at K = 2 for a loop.
+  grads = []
+  for loop in (True, False):
+    step = _fc_step(schedule, 'FPropLoss', 16, loop)
+    graph = step.get_concrete_function().graph
+    assert loop == any(op.type in ('While', 'StatelessWhile')
+                       for op in graph.get_operations())
+    grads.append(step())
+  assert stacks.max_rel_diff(*grads) <= 1e-6
+
+
+@pytest.mark.parametrize('value', ['yes', 1, None])
+def test_bad_loop_steady_state_is_named(value):
+  with pytest.raises(ValueError, match=rf'net: loop_steady_state={value!r}; '
+                     'use True'):
+    stacks.net('nested', num_stages=2, loop_steady_state=value)
