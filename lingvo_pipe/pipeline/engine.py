@@ -1,4 +1,4 @@
-"""The engine: executes a `schedule.Schedule`, one op at a time, in one graph.
+"""The engine: executes a `schedule.Schedule` in one graph.
 
     walk the schedule in dependency order (schedule.emission_order):
       F(s, m)    stage s's forward of micro-batch m, on s's device
@@ -25,6 +25,8 @@ into micro-batches (the weights are counts: they must not depend on theta).
 
 What one op computes, and why each detail is there, is in `stage_ops.py`.
 Timing, when `fprop_context.scope(timeline=[])` is open, wraps each op.
+In one process the walker traces a schedule's steady state once, as a
+`tf.while_loop` (`loops.py`, `looping.py`; `p.loop_steady_state`).
 """
 
 from __future__ import annotations

@@ -84,12 +84,14 @@ def _pack(structure: Any, tensors: Sequence[Any]) -> Any:
 
 # The fewest iterations worth a loop: shorter runs are emitted op by op.
 MIN_LOOP_ITERATIONS = 2
-# Periods of a schedule's steady state per loop iteration. Each iteration
+# Micro-batches of each stage per loop iteration (whole periods of the
+# schedule's steady state: one period of the interleaved schedule holds K
+# of them; at least one period per iteration). Each iteration
 # costs a fixed ~0.3 ms on one core (the loop's bookkeeping for every
 # carried value: accumulated gradients, delay lines, arrays): at K=2,
 # M=64, 16 × FC 512 with 16-example micro-batches, one period per
-# iteration made steps 7–8% slower than emitting every op; the periods of
-# one iteration share it.
+# iteration made steps 6–8% slower than emitting every op; the
+# micro-batches of one iteration share it.
 LOOP_UNROLL = 4
 
 
@@ -187,13 +189,16 @@ class Looping:
     """The keys op reads and writes (`loops.py`)."""
     s, m = self.schedule.stage(d, op), op.micro_batch
     rebuilt = self.schedule.rebuilds(s, m)
+    # Stage 0's recompute reads its input again by index (_backward): kept
+    # for it, a loop's gathered copy would double GPipe's input memory.
+    saved = [('x', s, m)] if s > 0 or not rebuilt else []
     if op.kind == 'F':
       reads = [('y', s - 1, m)] if s > 0 else []
-      return reads, [('x', s, m), ('y', s, m)] + (
+      return reads, saved + [('y', s, m)] + (
           [] if rebuilt else [('tape', s, m)])
     if op.kind == 'B' and rebuilt:
       return [], []  # Emitted with its R.
-    reads = [('x', s, m)]
+    reads = list(saved)
     if s < self.last:
       reads.append(('dx', s + 1, m))
     elif self.seeds is None:
@@ -238,14 +243,22 @@ class Looping:
         array.write(m, store[(s, m)])
         array.keys.add(m)
 
-  def _micro(self, name: str, m: int) -> Any:
-    """Micro-batch m of `inputs`, `side` or `seeds` (m + i in a loop)."""
+  def _micro(self, name: str, m: int, d: int) -> Any:
+    """Micro-batch m of `inputs`, `side` or `seeds` (m + i in a loop),
+    read by device d's next op.
+
+    In a loop the read is a copy (a gather), made once device d's previous
+    op has finished: gathers that depend on the loop counter alone ran
+    up to `parallel_iterations` iterations ahead, and held that many
+    micro-batches of inputs (1F1B, K=2, M=32: 40 MiB instead of 11).
+    """
     values = getattr(self, name)
     if self._loop is None:
       return values[m]
     if name not in self._stacked:
       raise WalkerError(f'{name} was not stacked before the loop.')
-    index = self._mi(m)
+    with tf.control_dependencies(self._after(d)):
+      index = tf.identity(self._mi(m))
     return tf.nest.map_structure(
         lambda t: None if t is None else _gather(t, index),
         self._stacked[name])
@@ -406,6 +419,8 @@ class Looping:
     """Every micro-batch's value of (family, s), joined along the batch."""
     with tf.device(self.stages[s].device):
       if (family, s) in self._arrays:  # Made in a loop.
+        microbatch.check_batched(self._arrays[(family, s)].structure,
+                                 self.batch_dim)
         return microbatch.unstack(self.stacked(family, s), self.batch_dim)
       store = self._store(family)
       return microbatch.concat(

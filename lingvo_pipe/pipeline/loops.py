@@ -265,7 +265,8 @@ def plan(schedule: schedule_lib.Schedule, order: Sequence[tuple[int, Op]],
     io: (device, op) → (keys it reads, keys it writes).
     final_reads: keys read after the last op (the step's outputs).
     min_count: the fewest iterations worth a loop.
-    unroll: the most periods of a run in one iteration.
+    unroll: the most micro-batches of each stage in one iteration (at
+      least one period of the run).
     max_delay: the longest delay line a read after a loop may use before
       the loop writes a TensorArray instead (default: 2 × stages + 2).
   """

@@ -138,7 +138,14 @@ def stack(inputs: Any, num_micro_batches: int, batch_dim: int) -> Any:
                              shape[batch_dim + 1:]], 0)
     rank = x.shape.rank
     perm = [batch_dim] + [i for i in range(rank + 1) if i != batch_dim]
-    return tf.transpose(tf.reshape(x, split_shape), perm)
+    stacked = tf.transpose(tf.reshape(x, split_shape), perm)
+    # The shape `one` gives a micro-batch (a loop carries values read from
+    # here beside values sliced by `one`, and their shapes must agree).
+    micro = x.shape.as_list()
+    n = micro[batch_dim]
+    micro[batch_dim] = None if n is None else n // num_micro_batches
+    stacked.set_shape([num_micro_batches] + micro)
+    return stacked
   return tf.nest.map_structure(_stack, inputs)
 
 
@@ -163,7 +170,16 @@ def concat(micro_outputs: list[Any], batch_dim: int) -> Any:
   if len(micro_outputs) == 1:
     return micro_outputs[0]
   flat = [tf.nest.flatten(o) for o in micro_outputs]
-  for i, leaf in enumerate(flat[0]):
+  check_batched(micro_outputs[0], batch_dim)
+  # None leaves (the gradient of an integer input, say) stay None.
+  joined = [None if parts[0] is None else tf.concat(list(parts), batch_dim)
+            for parts in zip(*flat)]
+  return tf.nest.pack_sequence_as(micro_outputs[0], joined)
+
+
+def check_batched(micro_output: Any, batch_dim: int) -> None:
+  """Raises unless every leaf of one micro-batch's output has `batch_dim`."""
+  for i, leaf in enumerate(tf.nest.flatten(micro_output)):
     if leaf is not None and leaf.shape.rank is not None and (
         leaf.shape.rank <= batch_dim):
       what = 'is a scalar' if leaf.shape.rank == 0 else (
@@ -172,7 +188,3 @@ def concat(micro_outputs: list[Any], batch_dim: int) -> Any:
           f'Pipeline output leaf {i} {what}, so micro-batch outputs cannot '
           'be concatenated. Keep the batch dimension in the last stage (e.g. '
           'return per-example losses and reduce them outside the pipeline).')
-  # None leaves (the gradient of an integer input, say) stay None.
-  joined = [None if parts[0] is None else tf.concat(list(parts), batch_dim)
-            for parts in zip(*flat)]
-  return tf.nest.pack_sequence_as(micro_outputs[0], joined)

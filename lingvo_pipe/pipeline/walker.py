@@ -11,7 +11,7 @@ on a send (a send completes only when its receiver is ready, and two stages
 that each waited on their own send would wait for ever).
 
 In one process the steady state of a schedule is a loop (`loops.py`): the
-walker emits one period of ops as the body of a `tf.while_loop`, so that
+walker emits a few periods of ops as the body of a `tf.while_loop`, so that
 tracing and the graph stay the same size for any M. The body runs the
 same `_forward` and `_backward` as every other op; only where a value
 comes from changes (`looping.py`).
@@ -226,7 +226,7 @@ class Walker(looping.Looping):
   def _input(self, s: int, m: int, d: int) -> Any:
     """F(s, m)'s input, placed on s's device once (R reads it again)."""
     if s == 0:
-      return self._micro('inputs', m)
+      return self._micro('inputs', m, d)
     if not self.is_local(s - 1):
       return self._recv(self.specs(s), s - 1, ('F', s, m), d)
     with tf.device(self.stages[s].device):
@@ -235,7 +235,8 @@ class Walker(looping.Looping):
   def _forward(self, s: int, m: int, d: int) -> None:
     ops, theta = self.ops[s], self.thetas[s]
     x = self._input(s, m, d)
-    side = self._micro('side', m) if s == self.last and self.side else None
+    side = (self._micro('side', m, d) if s == self.last and self.side
+            else None)
     if self.schedule.rebuilds(s, m):
       y, stats, times = ops.forward(theta, x, side, self._after(d),
                                     self._mi(m), self.step)
@@ -257,7 +258,7 @@ class Walker(looping.Looping):
     if s == self.last:
       with tf.device(self.stages[s].device):
         if self.seeds is not None:
-          grads = [_opaque(g) for g in self._micro('seeds', m)]
+          grads = [_opaque(g) for g in self._micro('seeds', m, d)]
         else:  # The loss: d(Σ value·weight) = 1, d(metrics) = 0.
           outputs = float_leaves(self.y[(s, m)])
           grads = [_opaque(g) for g in [tf.ones_like(outputs[0])] +
@@ -272,9 +273,14 @@ class Walker(looping.Looping):
       return [tf.identity(g) for g in grads]
 
   def _backward(self, s: int, m: int, d: int) -> None:
-    ops, theta, x = self.ops[s], self.thetas[s], self.x[(s, m)]
+    ops, theta = self.ops[s], self.thetas[s]
+    if s == 0 and self.schedule.rebuilds(s, m):
+      x = self._micro('inputs', m, d)  # The slice F read (Looping._io).
+    else:
+      x = self.x[(s, m)]
     dys = self._output_grads(s, m, d)
-    side = self._micro('side', m) if s == self.last and self.side else None
+    side = (self._micro('side', m, d) if s == self.last and self.side
+            else None)
     if self.schedule.rebuilds(s, m):  # R+B, one call.
       acc = self.acc[s]
       if acc is None:

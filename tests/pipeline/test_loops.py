@@ -19,7 +19,9 @@ import tensorflow as tf
 from lingvo_pipe.core import fprop_context
 from lingvo_pipe.core import gpipe
 from lingvo_pipe.layers import linear
+from lingvo_pipe.pipeline import engine
 from lingvo_pipe.pipeline import loops
+from lingvo_pipe.pipeline import microbatch
 from lingvo_pipe.pipeline import schedule as schedule_lib
 from lingvo_pipe.pipeline import walker as walker_lib
 from lingvo_pipe.pipeline.stage_ops import Stage
@@ -155,7 +157,9 @@ def _fc_step(schedule: str, form: str, m: int, loop: bool):
       name='net', layers=layers, num_stages=2, num_micro_batches=m,
       schedule=schedule, devices=stacks.DEVICES[:2], input_shapes=[[64, 4]],
       loop_steady_state=loop).Instantiate()
-  x, labels = tf.ones([64, 4]), tf.ones([64])
+  # Distinct micro-batches: a loop that read the wrong one must show.
+  x = tf.random.stateless_normal([64, 4], [1, 2])
+  labels = tf.random.stateless_normal([64], [3, 4])
 
   @tf.function(autograph=False)
   def _step():
@@ -165,7 +169,8 @@ def _fc_step(schedule: str, form: str, m: int, loop: bool):
           loss = tf.reduce_sum(net.FProp(net.theta, x))
         else:
           loss = net.FPropLoss(net.theta, (x,), labels, lambda y, w: {
-              'loss': (tf.reduce_mean(y), tf.reduce_sum(w))})['loss'][0]
+              'loss': (tf.reduce_mean(tf.square(y - w[:, None])),
+                       tf.cast(tf.size(w), tf.float32))})['loss'][0]
     return tape.gradient(loss, net.trainable_variables)
   return _step
 
@@ -196,6 +201,53 @@ def test_looped_and_op_by_op_fc_steps_agree_at_m16(schedule):
                        for op in graph.get_operations())
     grads.append(step())
   assert stacks.max_rel_diff(*grads) <= 1e-6
+
+
+def _scale_stages(k: int) -> list[Stage]:
+  """K stages, each multiplying its input by its own weight."""
+  stages = []
+  for s in range(k):
+    w = tf.Variable(1.0 + 0.25 * s)
+    stages.append(Stage(lambda theta, x: (x[0] * theta[0],), [w],
+                        stacks.DEVICES[s]))
+  return stages
+
+
+@pytest.mark.parametrize('schedule', ['gpipe', '1f1b'])
+def test_a_batch_with_dynamic_feature_dims_loops(schedule):
+  # The batch dimension static, another one not: gathered and sliced
+  # micro-batches must agree on the static shape the loop carries.
+  stages = _scale_stages(2)
+  sched = schedule_lib.make_schedule(schedule, 2, 8)
+  out = {}
+  for loop in (True, False):
+
+    @tf.function(input_signature=[tf.TensorSpec([16, None])])
+    def _step(x, loop=loop):
+      with tf.GradientTape() as tape:
+        tape.watch(x)
+        with fprop_context.scope(training=True, step=0):
+          metrics = engine.run_with_loss(
+              stages, (x,), tf.zeros([16]),
+              lambda y, _: {'loss': (tf.reduce_sum(y * y), tf.constant(1.))},
+              sched, loop=loop)
+      return tape.gradient(metrics['loss'][0], x)
+    out[loop] = _step(tf.reshape(tf.range(48, dtype=tf.float32), [16, 3]))
+  assert stacks.max_rel_diff(out[True], out[False]) <= 1e-6
+
+
+def test_an_output_without_batch_dimension_is_refused_after_a_loop():
+  stages = _scale_stages(2)
+  stages[-1] = Stage(lambda theta, x: (tf.reduce_sum(x[0]) * theta[0],),
+                     stages[-1].theta, stages[-1].device)
+
+  @tf.function(autograph=False)  # The error itself, not AutoGraph's.
+  def _fprop():
+    with fprop_context.scope(training=True, step=0):
+      return engine.run(stages, (tf.ones([32, 3]),),
+                        schedule_lib.make_schedule('gpipe', 2, 16))
+  with pytest.raises(microbatch.MicroBatchError, match='is a scalar'):
+    _fprop.get_concrete_function()
 
 
 @pytest.mark.parametrize('value', ['yes', 1, None])
