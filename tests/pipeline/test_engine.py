@@ -131,3 +131,51 @@ def test_emitted_graph_follows_the_schedule(name, k, m, recompute):
         before = _key(*dep)
         if before != _key(d, op):
           assert groups[_key(d, op)] & reach[before], (op, dep)
+
+
+def _loop_bodies(graph: tf.Graph) -> list[tf.Graph]:
+  """The body graphs of the While ops of `graph`, in graph order."""
+  bodies = []
+  for op in graph.get_operations():
+    if op.type in ('While', 'StatelessWhile'):
+      bodies.append(graph._get_function(  # pylint: disable=protected-access
+          op.get_attr('body').name).graph)
+  return bodies
+
+
+@pytest.mark.parametrize('name,k,m', [('gpipe', 2, 20), ('1f1b', 2, 20),
+                                      ('1f1b', 4, 20), ('gpipe', 4, 20),
+                                      ('interleaved', 2, 20)])
+def test_loop_bodies_follow_the_schedule(name, k, m):
+  # A looped step (the default in one process): inside each loop body,
+  # every device's ops are chained in the schedule's order, and every
+  # dependency the schedule names between two of the body's ops is a path.
+  # (Between iterations a device's order is a token: test_loops compares
+  # the numbers and memory with the op-by-op step.)
+  net = _net(name, k, m, 'always', loop=True)
+  sched = net.plan.schedule(m)
+  bodies = _loop_bodies(_graph(net))
+  assert bodies
+  for body in bodies:
+    groups, edges = _groups(body), _successors(body)
+    assert groups, [op.name for op in body.get_operations()][:20]
+    reach = {key: _reachable(edges, names) for key, names in groups.items()}
+    for d, ops in enumerate(sched):
+      keys = [(sched.stage(d, op), op.kind, op.micro_batch) for op in ops
+              if op.kind != 'B' or not sched.rebuilds(sched.stage(d, op),
+                                                      op.micro_batch)]
+      keys = [key for key in keys if key in groups]
+      for a, b in zip(keys, keys[1:]):
+        assert groups[b] & reach[a], f'device {d}: {b} does not wait for {a}'
+        assert not groups[a] & reach[b], f'device {d}: {a} waits for {b}'
+      for op in ops:
+        key = (sched.stage(d, op), op.kind, op.micro_batch)
+        if key not in groups:
+          continue
+        for dep_d, dep in schedule_lib.dependencies(sched, d, op):
+          s = sched.stage(dep_d, dep)
+          kind = 'R' if dep.kind == 'B' and sched.rebuilds(
+              s, dep.micro_batch) else dep.kind
+          before = (s, kind, dep.micro_batch)
+          if before in groups and before != key:
+            assert groups[key] & reach[before], (op, dep)
