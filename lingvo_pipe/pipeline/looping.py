@@ -327,6 +327,17 @@ class Looping:
     flat = tf.nest.flatten(state)
     tensors = [t for t in flat if t is not None]
 
+    def _install(st: dict[str, Any]) -> None:
+      """Makes carried state `st` the walker's (in the body, and after)."""
+      for d, token in zip(devices, st['token']):
+        self.done[d] = [[token]]
+      for s, acc in zip(backwards, st['acc']):
+        self.acc[s] = acc
+      for s, stats in zip(forwards, st['stats']):
+        self.stats[s] = StatsCollector(stats)
+      for family, arrays in zip(sorted(loop.arrays), st['arrays']):
+        self._arrays[family].arrays = arrays
+
     def _body(i: tf.Tensor, *carried: Any) -> list[Any]:
       st = _pack(structure, carried)
       outer = (self.x, self.y, self.dx, self.tapes, list(self.acc),
@@ -335,14 +346,7 @@ class Looping:
       self.x, self.y, self.dx = (Store(n, self._resolve)
                                  for n in ('x', 'y', 'dx'))
       self.tapes = {}
-      for d, token in zip(devices, st['token']):
-        self.done[d] = [[token]]
-      for s, acc in zip(backwards, st['acc']):
-        self.acc[s] = acc
-      for s, stats in zip(forwards, st['stats']):
-        self.stats[s] = StatsCollector(stats)
-      for f, arrays in zip(sorted(loop.arrays), st['arrays']):
-        self._arrays[f].arrays = arrays
+      _install(st)
       self._emit_ops(loop.ops)
       new_delay = {}
       for family, slots in st['delay'].items():
@@ -374,14 +378,8 @@ class Looping:
           [tf.constant(0)] + tensors,
           parallel_iterations=max(10, 2 * len(self.stages)))
     st = _pack(structure, result[1:])
-    for d, token in zip(devices, st['token']):
-      self.done[d] = [[token]]
-    for s, acc in zip(backwards, st['acc']):
-      self.acc[s] = acc
-    for s, stats in zip(forwards, st['stats']):
-      self.stats[s] = StatsCollector(stats)
-    for family, arrays in zip(sorted(loop.arrays), st['arrays']):
-      self._arrays[family].arrays = arrays
+    _install(st)
+    for family in sorted(loop.arrays):
       self._arrays[family].keys.update(
           loop.micro_batch(m, i) for i in loop.iterations()
           for m in loop.made_in_body(family))
