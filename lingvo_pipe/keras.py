@@ -27,7 +27,6 @@ from typing import Any, Sequence
 
 import keras
 import numpy as np
-import tensorflow as tf
 
 from lingvo_pipe.core import base_layer
 from lingvo_pipe.core import params_text

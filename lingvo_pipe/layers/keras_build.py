@@ -112,6 +112,14 @@ def build(keras_config: dict[str, Any], build_config: dict[str, Any] | None,
         'with lingvo_pipe.keras.from_keras(model) or layer_params(layer).')
   config = dict(keras_config)
   inner = dict(config.get('config') or {})
+  given = inner.get('dtype')
+  if isinstance(given, dict):
+    given = (given.get('config') or {}).get('name')
+  if given is not None and given != policy:
+    raise LayerError(
+        f'{where}: keras_layer\'s config says dtype {given!r} but dtype and '
+        f'fprop_dtype say {policy!r}; remove \'dtype\' from the config and '
+        'set fprop_dtype (bfloat16 over float32 weights = mixed_bfloat16).')
   inner['dtype'] = policy
   config['config'] = inner
   name = config['class_name']

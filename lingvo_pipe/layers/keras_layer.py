@@ -84,10 +84,13 @@ def _registered(handle: str, where: str) -> list[np.ndarray]:
 
 class _Hidden:
   """Holds the Keras layer where neither tf.Module (trainable_variables) nor
-  checkpoints look: its variables are keys, theta holds the values."""
+  checkpoints look: its variables are keys, theta holds the values.
+  `constants` maps its other variables (seed generators' states, which its
+  layers never advance: keras_build.probe) to their values."""
 
-  def __init__(self, layer: Any) -> None:
+  def __init__(self, layer: Any, constants: list[tuple[Any, Any]]) -> None:
     self.layer = layer
+    self.constants = constants
 
 
 _PROTOTYPES: dict[str, tuple[Any, str, str]] = {}
@@ -148,7 +151,10 @@ class KerasLayer(base_layer.BaseLayer):
     policy = keras_build.policy_name(p.dtype, p.fprop_dtype, self.path)
     layer = keras_build.build(p.keras_layer, p.build_config, policy,
                               (self.random_seed, self.path), self.path)
-    self._keras = _Hidden(layer)
+    weights = {id(w) for w in layer.weights}
+    self._keras = _Hidden(layer, [
+        (v, tf.constant(keras_build.initial_value(v)))
+        for v in layer.variables if id(v) not in weights])
     self._keys = keras_build.weight_keys(layer)
     values = self._InitialValues(layer)
     trainable = {id(w) for w in layer.trainable_weights}
@@ -157,11 +163,6 @@ class KerasLayer(base_layer.BaseLayer):
           list(w.shape), base_layer.WeightInit.Constant(0.0),
           dtype=tf.as_dtype(w.dtype), trainable=id(w) in trainable))
       var.assign(value)
-    weights = {id(w) for w in layer.weights}
-    # Seed generators' states: constant (their layers never draw, see
-    # keras_build.probe), passed so that Keras finds every variable.
-    self._constants = [(v, tf.constant(keras_build.initial_value(v)))
-                       for v in layer.variables if id(v) not in weights]
 
   def _InitialValues(self, layer: Any) -> list[Any]:
     handle = self.params.keras_weights
@@ -193,7 +194,7 @@ class KerasLayer(base_layer.BaseLayer):
     if self._kind == 'noise':
       return _noise(layer, inputs[0], self.path, ctx.training)
     mapping = [(w, theta[k]) for w, k in zip(layer.weights, self._keys)]
-    with keras.StatelessScope(state_mapping=mapping + self._constants,
+    with keras.StatelessScope(state_mapping=mapping + self._keras.constants,
                               initialize_variables=False):
       out = layer(*keras_build.call_args(self.params.build_config, inputs),
                   training=ctx.training)
