@@ -84,19 +84,22 @@ class AmoebaNetGPipe(base_model.SingleTaskModelParams):
     return p
 
 
-def keras_cnn():
-  """The Keras model of KerasCnn (named layers: the names key the
-  checkpoint, and Keras's automatic names count up per process)."""
+def keras_cnn(image_size: int = 28, filters: tuple[int, int] = (32, 64)):
+  """The Keras model of KerasCnn (tools/bench/keras_bench.py shrinks it).
+
+  Its layers are named: the names key the checkpoint, and Keras's
+  automatic names count up per process.
+  """
   import keras  # pylint: disable=g-import-not-at-top
   layers = []
-  for block, filters in enumerate((32, 64)):
+  for block, width in enumerate(filters):
     for i in (2 * block, 2 * block + 1):
-      layers += [keras.layers.Conv2D(filters, 3, padding='same',
+      layers += [keras.layers.Conv2D(width, 3, padding='same',
                                      activation='relu', name=f'conv{i}'),
                  keras.layers.BatchNormalization(momentum=0.9, name=f'bn{i}')]
     layers.append(keras.layers.MaxPooling2D(name=f'pool{block}'))
   return keras.Sequential(
-      [keras.Input((28, 28, 1))] + layers + [
+      [keras.Input((image_size, image_size, 1))] + layers + [
           keras.layers.Flatten(name='flatten'),
           keras.layers.Dropout(0.3, name='dropout'),
           keras.layers.Dense(10, name='logits')], name='keras_cnn')

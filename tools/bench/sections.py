@@ -8,6 +8,7 @@ from typing import Any
 from bench import common
 from bench import efficiency
 from bench import fidelity
+from bench import keras_bench
 from bench import overheads
 from bench import overlap
 from bench import partition_bench
@@ -36,6 +37,8 @@ _SECTIONS = {
     'overheads': ('Issue 10 — overheads and tracing time', overheads),
     'timeline': ('Issue 10 — timelines of one step per schedule',
                  timeline_bench),
+    'keras': ('Issue 28 — a wrapped Keras CNN vs the same network in '
+              'lingvo_pipe layers', keras_bench),
 }
 NAMES = tuple(_SECTIONS)
 TITLES = tuple(title for title, _ in _SECTIONS.values())
