@@ -89,7 +89,7 @@ def layer_params(layer: Any, input_shape: Sequence[Any] | None = None,
       name=_identifier(layer.name), keras_layer=_plain(config, where),
       build_config=_plain(build_config, where), dtype=dtype,
       fprop_dtype=fprop_dtype)
-  keras_layer_lib.prototype(p, where)  # Refuses it now, naming it.
+  keras_layer_lib.prototype(p, 'from_keras')  # Refuses it now, naming it.
   if weights and layer.weights:
     p.keras_weights = keras_layer_lib.register_weights(
         [np.asarray(w.value) for w in layer.weights])

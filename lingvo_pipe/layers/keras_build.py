@@ -17,7 +17,8 @@ theta. What that needs from Keras lives here, in four parts:
   once in training mode, symbolically. A BatchNormalization that updates
   its moving averages becomes 'batch_norm' (statistics summed over
   micro-batches, folded once per step); Keras's random layers become
-  'noise' (lingvo_pipe's per-example draws, see `noise.py`); a layer that
+  'noise' (lingvo_pipe's per-example draws: keras_layer._noise); a layer
+  that
   updates any other state, adds losses (regularizers), carries weight
   constraints or emits a Keras mask is refused with one line naming it,
   because the pipeline would train it differently from Keras.
@@ -211,8 +212,9 @@ def input_shapes(build_config: dict[str, Any] | None) -> list[Any] | None:
   return list(shapes.values())
 
 
-def probe(layer: Any) -> tuple[str, str]:
-  """(kind, why): how FProp must treat built `layer`'s state in training.
+def probe(layer: Any, build_config: dict[str, Any] | None) -> tuple[str, str]:
+  """(kind, why): how FProp must treat `layer`'s state in training
+  (`layer` built from `build_config`).
 
   kind is 'plain', 'batch_norm' or 'noise', or 'refused' with `why` the
   reason (one line).
@@ -227,7 +229,7 @@ def probe(layer: Any) -> tuple[str, str]:
           f'its weight {w.name!r} has a {what}, which Keras applies in fit '
           'and the pipeline would not; remove it (lingvo_pipe has '
           'task.train.weight_decay)')
-  updated, losses, masked = _trace_training_call(layer)
+  updated, losses, masked = _trace_training_call(layer, build_config)
   weights = {id(w) for w in layer.weights}
   if updated and all(id(v) not in weights for v in updated):
     return 'refused', ('it draws random numbers from a Keras SeedGenerator '
@@ -265,21 +267,21 @@ def _classify_updates(layer: Any, updated: list[Any]) -> tuple[str, str]:
                      'as a lingvo_pipe layer with AddStats/FoldStats')
 
 
-def _trace_training_call(layer: Any) -> tuple[list[Any], list[Any], bool]:
+def _trace_training_call(layer: Any, build_config: dict[str, Any] | None
+                        ) -> tuple[list[Any], list[Any], bool]:
   """(updated variables, losses, emits a mask) of one training call,
   traced (never run) on inputs of the build shapes."""
-  shapes = input_shapes(layer.get_build_config()) or [[None]]
+  shapes = input_shapes(build_config) or [[None]]
   dtype = tf.as_dtype(layer.input_dtype or 'float32')
   specs = [_spec(s, dtype) for s in shapes]
   found: dict[str, Any] = {}
-  config = layer.get_build_config()
 
   def _call(*xs: tf.Tensor) -> Any:
     values = [tf.zeros(v.shape, v.dtype) for v in layer.variables]
     with keras.StatelessScope(state_mapping=list(zip(layer.variables, values)),
                               collect_losses=True,
                               initialize_variables=False) as scope:
-      out = layer(*call_args(config, xs), training=True)
+      out = layer(*call_args(build_config, xs), training=True)
     found['updated'] = [v for v, old in zip(layer.variables, values)
                         if scope.get_current_value(v) is not old]
     found['losses'] = list(scope.losses)

@@ -106,7 +106,7 @@ def prototype(p: Params, where: str) -> tuple[Any, str]:
     if key not in _PROTOTYPES:
       layer = keras_build.build(p.keras_layer, p.build_config, policy,
                                 ('prototype',), where)
-      _PROTOTYPES[key] = (layer,) + keras_build.probe(layer)
+      _PROTOTYPES[key] = (layer,) + keras_build.probe(layer, p.build_config)
     layer, kind, why = _PROTOTYPES[key]
   if kind == 'refused':
     raise LayerError(f'{where}: Keras layer {type(layer).__name__} '

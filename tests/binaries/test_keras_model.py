@@ -1,18 +1,24 @@
 """The Keras config through the binaries, as a user runs it (issue 28).
 
 `image.fashion_mnist.KerasCnn` (a Keras Sequential, pipelined) trains and is
-scored like any registered model; a Keras layer the pipeline would train
-differently from Keras ends the trainer before the first step with one line
-naming it, exit 2, nothing written.
+scored like any registered model, and its checkpoint goes back into a Keras
+model; a Keras layer the pipeline would train differently from Keras ends
+the trainer before the first step with one line naming it, exit 2, nothing
+written.
 """
 
 import json
 
 import keras
+import numpy as np
 import pytest
+import tensorflow as tf
 
 import binary_runner as br
+from lingvo_pipe import keras as lp_keras
+from lingvo_pipe.core import model_registry
 from lingvo_pipe.core import params_text
+from lingvo_pipe.core.nested_map import NestedMap
 from lingvo_pipe.tasks import data_paths
 from lingvo_pipe.tasks.image import input_generator
 
@@ -60,3 +66,14 @@ def test_keras_cnn_trains_and_is_scored(tmp_path):
   score = json.loads((logdir / 'eval_test' / 'ckpt-2.json').read_text())
   assert score['num_examples'] == 10000
   assert 0.0 <= score['metrics']['accuracy'] <= 1.0
+  # The trained weights go back into Keras, for model.evaluate or serving.
+  params = model_registry.get_params(_MODEL, 'Test').FromText(_SMALL)
+  task, fresh = params.task.Instantiate(), params.task.Instantiate()
+  tf.train.Checkpoint(task=task).read(str(logdir / 'ckpt-2')).expect_partial()
+  keras_model = lp_keras.to_keras(task)
+  images = tf.random.stateless_uniform([4, 28, 28, 1], seed=[1, 2])
+  np.testing.assert_allclose(
+      keras_model(images), task.ComputePredictions(
+          task.theta, NestedMap(image=images)), rtol=1e-5, atol=1e-5)
+  assert not np.allclose(keras_model.get_layer('logits').kernel,
+                         fresh.theta.pipeline.layers[-1].kernel)
