@@ -23,7 +23,8 @@ BATCH, M = 16, 4
 
 
 def _cnn(dropout_rate=0.0, batch_norm=True):
-  layers = [keras.Input((8, 8, 1)), keras.layers.Conv2D(4, 3, activation='relu')]
+  layers = [keras.Input((8, 8, 1)),
+            keras.layers.Conv2D(4, 3, activation='relu')]
   if batch_norm:
     layers.append(keras.layers.BatchNormalization(momentum=0.9))
   layers.append(keras.layers.MaxPooling2D())

@@ -17,26 +17,25 @@ theta. What that needs from Keras lives here, in four parts:
   once in training mode, symbolically. A BatchNormalization that updates
   its moving averages becomes 'batch_norm' (statistics summed over
   micro-batches, folded once per step); Keras's random layers become
-  'noise' (lingvo_pipe's per-example draws: keras_layer._noise); a layer
-  that
-  updates any other state, adds losses (regularizers), carries weight
+  'noise' (lingvo_pipe's per-example draws: keras_layer._noise). A layer
+  that updates any other state, adds losses (regularizers), carries weight
   constraints or emits a Keras mask is refused with one line naming it,
   because the pipeline would train it differently from Keras.
 * **The dtype policy** is derived from (dtype, fprop_dtype): fprop_dtype
   bfloat16 over float32 weights is Keras's `mixed_bfloat16`.
 * **Costs** (`flops`): 2 flops per multiply-add of every weight of rank ≥ 2
-  at every output position (Dense, Conv*, depthwise and separable convs:
-  exact for channels-last layouts), attention's scores and weighted sums
-  for MultiHeadAttention, and 1 flop per output element; embeddings count
-  only the latter. A layer this rule misjudges can be profiled
-  (PipeliningLayer's `costs='profile'`).
+  at every output position (exact for Dense, Conv1D/2D/3D, depthwise and
+  separable convs in channels-last layouts), attention's scores and
+  weighted sums for MultiHeadAttention, and 1 flop per output element;
+  embeddings count only the latter. Recurrent layers count one time step
+  and transposed convolutions stride² times too much: where the rule
+  misjudges, profile (PipeliningLayer's `costs='profile'`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
-import inspect
 import random
 import re
 import threading

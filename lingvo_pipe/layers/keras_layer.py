@@ -59,7 +59,8 @@ def register_weights(values: Sequence[Any]) -> str:
   """Keeps `values` (a Keras layer's weights, in `layer.weights` order) in
   this process; returns the name Params give them: 'sha256:' and their
   content's hash, so every process that registers the same weights gives
-  them the same name (a trainer resumes with the same params.txt)."""
+  them the same name (a trainer resumes with the same params.txt). The
+  copy stays for the life of the process (host memory, once per model)."""
   arrays = [np.array(v, copy=True) for v in values]
   digest = hashlib.sha256()
   for a in arrays:

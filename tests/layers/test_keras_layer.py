@@ -45,7 +45,8 @@ def test_theta_is_keyed_by_keras_path_and_checkpointed_once(tmp_path):
   layer.FProp(layer.theta, x, x)
   with keras.StatelessScope():  # Keras initializes pending variables here.
     pass
-  assert all(v._value is None for v in layer.keras_layer.variables)  # pylint: disable=protected-access
+  # pylint: disable-next=protected-access
+  assert all(v._value is None for v in layer.keras_layer.variables)
 
 
 def test_initial_weights_depend_on_path_only_and_leave_random_alone():

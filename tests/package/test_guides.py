@@ -92,7 +92,8 @@ def test_readme_keras_example(capsys):
                 re.S)
   assert m, 'README lost its "Pipelining a Keras model" example'
   namespace = {'__name__': 'readme_keras_example'}
-  exec(compile(m.group(1), 'README.md (keras example)', 'exec'), namespace)  # pylint: disable=exec-used
+  code = compile(m.group(1), 'README.md (keras example)', 'exec')
+  exec(code, namespace)  # pylint: disable=exec-used
   net, model = namespace['net'], namespace['model']
   assert net.plan.num_stages == 2 and 'stage' in capsys.readouterr().out
   for layer in net.children.layers:  # The trained weights are in Keras.
