@@ -153,7 +153,7 @@ def _sequential(layers: list[KerasLayer]) -> Any:
     p = sub.params
     config = dict(p.keras_layer)
     config['config'] = dict(config['config'], dtype=keras_build.policy_name(
-        p.dtype, p.fprop_dtype, sub.path))
+        p.dtype, p.fprop_dtype))
     fresh.append(keras.saving.deserialize_keras_object(config))
   return keras.Sequential(fresh)
 

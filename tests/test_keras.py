@@ -18,6 +18,7 @@ from lingvo_pipe.core import base_model
 from lingvo_pipe.core import fprop_context
 from lingvo_pipe.core import gpipe
 from lingvo_pipe.core import optimizer
+from lingvo_pipe.pipeline import transparency
 
 BATCH, M = 16, 4
 
@@ -220,3 +221,14 @@ def test_mixed_bfloat16_is_float32_weights_computing_in_bfloat16():
   dense = net.children.layers[0]
   assert dense.keras_layer.dtype_policy.name == 'mixed_bfloat16'
   assert dense.FProp(dense.theta, x).dtype == tf.bfloat16
+
+
+def test_check_transparency_passes_for_a_cnn_with_batch_norm_and_dropout():
+  # The unpipelined twin runs micro-batch by micro-batch (BatchNorm), in
+  # float32 and in float64 (Keras layers computing in float64 on theta).
+  p = gpipe.PipeliningLayer.Params().Set(
+      name='net', layers=lp_keras.from_keras(_cnn(dropout_rate=0.5)),
+      num_stages=2, num_micro_batches=M, input_shapes=[[BATCH, 8, 8, 1]])
+  report = transparency.check_transparency(p, (_data()[0],), step=4,
+                                           micro_batched_reference=True)
+  assert report.ok(), str(report)

@@ -22,7 +22,7 @@ theta. What that needs from Keras lives here, in four parts:
   constraints or emits a Keras mask is refused with one line naming it,
   because the pipeline would train it differently from Keras.
 * **The dtype policy** is derived from (dtype, fprop_dtype): fprop_dtype
-  bfloat16 over float32 weights is Keras's `mixed_bfloat16`.
+  bfloat16 over float32 weights is Keras's `mixed_bfloat16` (`policy_name`).
 * **Costs** (`flops`): 2 flops per multiply-add of every weight of rank ≥ 2
   at every output position (exact for Dense, Conv1D/2D/3D, depthwise and
   separable convs in channels-last layouts), attention's scores and
@@ -55,20 +55,18 @@ NOISE_CLASSES = ('Dropout', 'SpatialDropout1D', 'SpatialDropout2D',
 _RANDOM_LOCK = threading.RLock()
 
 
-def policy_name(dtype: tf.DType, fprop_dtype: tf.DType | None,
-                where: str) -> str:
-  """The Keras dtype policy of variables in `dtype` computing in
-  `fprop_dtype` (None: dtype)."""
+def policy_name(dtype: tf.DType, fprop_dtype: tf.DType | None) -> str:
+  """The Keras dtype policy of weights in `dtype` computing in
+  `fprop_dtype` (None: dtype): Keras's mixed policies where they fit
+  (float32 weights computing in bfloat16 or float16), else the compute
+  dtype's, whose variables KerasLayer feeds theta cast to it (as every
+  lingvo_pipe layer casts theta to fprop_dtype: the float64 twin of
+  `transparency.check_transparency`)."""
   compute = tf.as_dtype(fprop_dtype or dtype)
-  dtype = tf.as_dtype(dtype)
-  if compute == dtype:
-    return dtype.name
-  if dtype == tf.float32 and compute in (tf.bfloat16, tf.float16):
+  if tf.as_dtype(dtype) == tf.float32 and compute in (tf.bfloat16,
+                                                      tf.float16):
     return f'mixed_{compute.name}'
-  raise LayerError(
-      f'{where}: Keras has no dtype policy for {dtype.name} weights '
-      f'computing in {compute.name} (fprop_dtype); use dtype float32 with '
-      'fprop_dtype bfloat16 or float16 (mixed precision), or one dtype.')
+  return compute.name
 
 
 def policy_dtypes(layer: Any, where: str) -> tuple[tf.DType, Any]:
@@ -160,13 +158,14 @@ def _first_line(e: BaseException) -> str:
   return text if len(text) <= 300 else text[:297] + '...'
 
 
-def initial_value(variable: Any) -> np.ndarray:
-  """A Keras variable's initial value (from its initializer if it has none)."""
+def initial_value(variable: Any, dtype: Any = None) -> np.ndarray:
+  """A Keras variable's initial value (from its initializer if it has
+  none), drawn in `dtype` (default: the variable's)."""
+  dtype = tf.as_dtype(dtype or variable.dtype)
   if getattr(variable, '_value', None) is None:
     # pylint: disable-next=protected-access
-    return np.asarray(variable._initializer(variable.shape,
-                                            dtype=variable.dtype))
-  return np.asarray(variable.value)
+    return np.asarray(variable._initializer(variable.shape, dtype=dtype.name))
+  return np.asarray(tf.cast(variable.value, dtype))
 
 
 def weight_keys(layer: Any) -> list[str]:

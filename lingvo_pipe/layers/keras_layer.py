@@ -101,7 +101,7 @@ _PROTOTYPES_LOCK = threading.Lock()
 def prototype(p: Params, where: str) -> tuple[Any, str]:
   """(a built Keras layer of `p`'s config, its kind), made once per config
   (FPropMeta's, and the probe's verdict); raises if the layer is refused."""
-  policy = keras_build.policy_name(p.dtype, p.fprop_dtype, where)
+  policy = keras_build.policy_name(p.dtype, p.fprop_dtype)
   key = repr((p.keras_layer, p.build_config, policy))
   with _PROTOTYPES_LOCK:
     if key not in _PROTOTYPES:
@@ -149,7 +149,7 @@ class KerasLayer(base_layer.BaseLayer):
     super().__init__(params)
     p = self.params
     self._kind = prototype(p, self.path)[1]
-    policy = keras_build.policy_name(p.dtype, p.fprop_dtype, self.path)
+    policy = keras_build.policy_name(p.dtype, p.fprop_dtype)
     layer = keras_build.build(p.keras_layer, p.build_config, policy,
                               (self.random_seed, self.path), self.path)
     weights = {id(w) for w in layer.weights}
@@ -157,18 +157,19 @@ class KerasLayer(base_layer.BaseLayer):
         (v, tf.constant(keras_build.initial_value(v)))
         for v in layer.variables if id(v) not in weights])
     self._keys = keras_build.weight_keys(layer)
-    values = self._InitialValues(layer)
+    values = self._InitialValues(layer)  # theta's dtypes.
     trainable = {id(w) for w in layer.trainable_weights}
     for key, w, value in zip(self._keys, layer.weights, values):
       var = self.CreateVariable(key, base_layer.WeightParams(
           list(w.shape), base_layer.WeightInit.Constant(0.0),
-          dtype=tf.as_dtype(w.dtype), trainable=id(w) in trainable))
-      var.assign(value)
+          dtype=_theta_dtype(p, w), trainable=id(w) in trainable))
+      var.assign(tf.cast(value, var.dtype))
 
   def _InitialValues(self, layer: Any) -> list[Any]:
     handle = self.params.keras_weights
     if handle is None:
-      return [keras_build.initial_value(w) for w in layer.weights]
+      return [keras_build.initial_value(w, _theta_dtype(self.params, w))
+              for w in layer.weights]
     values = _registered(handle, self.path)
     want = [tuple(w.shape) for w in layer.weights]
     got = [tuple(v.shape) for v in values]
@@ -194,7 +195,8 @@ class KerasLayer(base_layer.BaseLayer):
     ctx = fprop_context.current()
     if self._kind == 'noise':
       return _noise(layer, inputs[0], self.path, ctx.training)
-    mapping = [(w, theta[k]) for w, k in zip(layer.weights, self._keys)]
+    mapping = [(w, tf.cast(theta[k], w.dtype))
+               for w, k in zip(layer.weights, self._keys)]
     with keras.StatelessScope(state_mapping=mapping + self._keras.constants,
                               initialize_variables=False):
       out = layer(*keras_build.call_args(self.params.build_config, inputs),
@@ -231,9 +233,16 @@ class KerasLayer(base_layer.BaseLayer):
         p, flops=keras_build.flops(layer, out_shapes[0], shapes),
         out_shapes=out_shapes, num_params=0,
         out_dtype=[tf.as_dtype(t.dtype) for t in outs])
-    param_bytes = sum(math.prod(w.shape) * tf.as_dtype(w.dtype).size
+    param_bytes = sum(math.prod(w.shape) * _theta_dtype(p, w).size
                       for w in layer.weights)
     return dataclasses.replace(meta, param_bytes=param_bytes)
+
+
+def _theta_dtype(p: Params, weight: Any) -> tf.DType:
+  """theta's dtype of a Keras weight: p.dtype for floats (the policy's
+  variable dtype may be the compute dtype, see keras_build.policy_name)."""
+  dtype = tf.as_dtype(weight.dtype)
+  return tf.as_dtype(p.dtype) if dtype.is_floating else dtype
 
 
 def _check_shapes(where: str, build_config: Any,

@@ -142,9 +142,21 @@ def test_unregistered_class_unknown_weights_and_wrong_shapes_name_a_fix():
     p.Instantiate()
   with pytest.raises(base_layer.LayerError, match='do not fit'):
     keras_layer.KerasLayer.FPropMeta(p, [2, 5])
-  with pytest.raises(base_layer.LayerError, match='no dtype policy'):
-    p.Copy().Set(dtype=tf.bfloat16, fprop_dtype=tf.float32,
-                 keras_weights=None).Instantiate()
+
+
+def test_float32_weights_compute_in_float64_on_theta_cast():
+  p = lp_keras.layer_params(keras.layers.Dense(3), (None, 4), weights=False)
+  p.name = 'fc'
+  fp32, fp64 = p.Instantiate(), p.Copy().Set(fprop_dtype=tf.float64
+                                             ).Instantiate()
+  assert fp64.keras_layer.dtype_policy.name == 'float64'
+  assert fp64.theta.kernel.dtype == tf.float32  # Same weights as float32.
+  np.testing.assert_array_equal(fp64.theta.kernel, fp32.theta.kernel)
+  x = tf.random.stateless_normal([2, 4], seed=[5, 6], dtype=tf.float64)
+  y = fp64.FProp(fp64.theta, x)
+  assert y.dtype == tf.float64
+  np.testing.assert_allclose(
+      y, x @ tf.cast(fp32.theta.kernel, tf.float64), rtol=1e-12)
 
 
 def test_frozen_batch_norm_keeps_its_statistics_and_adds_none():
