@@ -194,7 +194,7 @@ class Hosts:
   def processes(self) -> list[int]:
     """PIDs in one of these hosts' namespaces, other than the hosts' own."""
     held = {p.pid for p in self._holders.values()}
-    return [pid for pid in _pids_in(self.namespaces) if pid not in held]
+    return [pid for pid in pids_in(self.namespaces) if pid not in held]
 
   def __enter__(self) -> 'Hosts':
     return self
@@ -290,7 +290,7 @@ class Hosts:
                        f'{" ".join(done.stderr.split())}')
 
 
-def _pids_in(namespaces: set[str]) -> list[int]:
+def pids_in(namespaces: set[str]) -> list[int]:
   found = []
   for entry in os.listdir('/proc'):
     if entry.isdigit():
