@@ -336,7 +336,8 @@ def check_schedule(schedule: Sequence[Sequence[Op]]) -> int:
 
 def run_times(schedule: Sequence[Sequence[Op]],
               op_time: Callable[[int, Op], float],
-              transfer_time: float = 0.0) -> list[list[tuple[float, float]]]:
+              transfer_time: float | Callable[[int, int], float] = 0.0
+              ) -> list[list[tuple[float, float]]]:
   """(start, end) of every op when each device runs its list in order.
 
   An op starts once its device is free and its dependencies are done; a
@@ -346,7 +347,8 @@ def run_times(schedule: Sequence[Sequence[Op]],
   Args:
     schedule: ops per device, e.g. from `gpipe_schedule`.
     op_time: duration of `op` on `device`.
-    transfer_time: per micro-batch device-to-device transfer time.
+    transfer_time: per micro-batch device-to-device transfer time, or a
+      callable (from device, to device) → seconds (`links.Cluster`).
 
   Returns:
     Same shape as `schedule`: the (start, end) of each op.
@@ -371,7 +373,8 @@ def run_times(schedule: Sequence[Sequence[Op]],
         if any(dep not in done for dep in deps):
           break
         start = max([free[d]] + [
-            done[(s, o)] + (transfer_time if s != d else 0.0)
+            done[(s, o)] + (0.0 if s == d else transfer_time(s, d)
+                            if callable(transfer_time) else transfer_time)
             for s, o in deps])
         end = start + op_time(d, op)
         times[d].append((start, end))

@@ -5,8 +5,9 @@ schedule trades step time against activation memory, and a wrong choice
 costs a run that runs out of memory or idles most devices. This module
 replays one step on paper: every stage runs its ops in schedule order
 (`schedule.py`), an op starts when its stage is free and its dependencies
-are done (+ `transfer_time` when they cross stages), and it lasts the
-stage's forward / recompute / backward time.
+are done (+ `transfer_time` when they cross stages: one time, or per pair
+of devices from a described cluster, `links.py`), and it lasts the stage's
+forward / recompute / backward time.
 
 Memory model, per stage and micro-batch (from the op start/end times):
   with recompute   boundary_bytes from F's start to B's end (the saved
@@ -30,7 +31,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
-from typing import NamedTuple, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 from lingvo_pipe import errors
 from lingvo_pipe.pipeline import partitioner
@@ -99,7 +100,7 @@ class SimResult:
   num_micro_batches: int
   recompute: str
   schedule: str
-  transfer_time: float
+  transfer_time: float | Callable[[int, int], float]
   step_time: float
   busy: tuple[float, ...]  # Per device: time spent running ops.
   peak_activation_bytes: tuple[float, ...]  # Per device.
@@ -166,11 +167,13 @@ class SimResult:
           format_quantity(self.peak_activation_bytes[k], 'bytes'),
           format_quantity(math.fsum(s.param_bytes for s in mine), 'bytes')])
     k, m = self.num_stages, self.num_micro_batches
+    hop = ('per link' if callable(self.transfer_time) else
+           t(self.transfer_time))
     chunks = f' × {self.num_chunks} chunks' if self.num_chunks > 1 else ''
     return '\n'.join([
         f'schedule={self.schedule}, recompute={self.recompute}, K={k}{chunks}, '
         f'M={m}, '
-        f'transfer_time={t(self.transfer_time)} (forward, backward, recompute: '
+        f'transfer_time={hop} (forward, backward, recompute: '
         'per micro-batch; busy, idle: per step)',
         partitioner.format_table(header, rows, 'r' + 'r' * 8),
         f'step time: {t(self.step_time)}',
@@ -183,7 +186,8 @@ class SimResult:
 
 def simulate(stages: Sequence[StageCost], num_micro_batches: int,
              recompute: str = 'always', schedule: str = 'gpipe',
-             transfer_time: float = 0.0, num_chunks: int = 1) -> SimResult:
+             transfer_time: float | Callable[[int, int], float] = 0.0,
+             num_chunks: int = 1) -> SimResult:
   """Replays one training step of a K-stage, M-micro-batch pipeline.
 
   Args:
@@ -192,7 +196,9 @@ def simulate(stages: Sequence[StageCost], num_micro_batches: int,
     num_micro_batches: M.
     recompute: one of `schedule.RECOMPUTE_POLICIES` (see `schedule.py`).
     schedule: 'gpipe', '1f1b' or 'interleaved'.
-    transfer_time: per micro-batch stage-to-stage transfer time.
+    transfer_time: per micro-batch stage-to-stage transfer time, or a
+      callable (from device, to device) → seconds, e.g.
+      `links.Cluster.transfer_time_fn`.
     num_chunks: virtual stages per device (interleaved only).
 
   Returns:
@@ -204,7 +210,8 @@ def simulate(stages: Sequence[StageCost], num_micro_batches: int,
   if not stages or not all(isinstance(s, StageCost) for s in stages):
     raise SimulationError(f'stages must be a non-empty list of StageCost, got '
                           f'{stages!r}.')
-  _check_amount('transfer_time', transfer_time)
+  if not callable(transfer_time):
+    _check_amount('transfer_time', transfer_time)
   if (isinstance(num_chunks, bool) or not isinstance(num_chunks, int) or
       num_chunks < 1 or len(stages) % num_chunks):
     raise SimulationError(f'num_chunks={num_chunks!r} must be an int ≥ 1 '
@@ -230,6 +237,7 @@ def simulate(stages: Sequence[StageCost], num_micro_batches: int,
                                       if e.stage % devices == d])
                 for d in range(devices))
   return SimResult(tuple(stages), num_micro_batches, recompute, schedule,
+                   transfer_time if callable(transfer_time) else
                    float(transfer_time), step_time, busy, peaks,
                    tuple(events), num_chunks)
 
