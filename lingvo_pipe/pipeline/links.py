@@ -75,7 +75,7 @@ class Link:
 
   def describe(self) -> str:
     """'100 Gbit/s, 10 µs' (payload efficiency if < 1)."""
-    text = f'{_bits(self.bandwidth)}, {self.latency * 1e6:.3g} µs'
+    text = f'{format_rate(self.bandwidth)}, {self.latency * 1e6:.3g} µs'
     if self.efficiency < 1:
       text += f', {100 * self.efficiency:.1f}% payload'
     return text
@@ -179,7 +179,8 @@ def step_with_all_reduce(stage_ends: Sequence[float],
                                                    stage_param_bytes)))
 
 
-def _bits(rate: float) -> str:
+def format_rate(rate: float) -> str:
+  """'1 Gbit/s' for 1e9 bits/s."""
   for unit, scale in (('Tbit/s', 1e12), ('Gbit/s', 1e9), ('Mbit/s', 1e6),
                       ('kbit/s', 1e3)):
     if rate >= scale:
