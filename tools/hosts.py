@@ -36,8 +36,10 @@ How, and why this way:
   own /etc/hosts (a bind mount), so the recipe's `h1:2222` works verbatim.
 - A cut takes the host's port off the switch: packets vanish silently and
   the link stays up, as when a switch or cable between racks fails (no
-  "connection refused", no carrier loss). A rate limit is `tc tbf` on both
-  ends of the host's link (`netem` is not in every kernel).
+  "connection refused", no carrier loss). A rate limit is `tc tbf` in the
+  switch, both ways (`netem` is not in every kernel): shaped at the host's
+  own interface, its socket buffers filled, and gRPC then interleaved
+  concurrent messages instead of sending them one after another.
 - Processes are started through util-linux (`setpriv --pdeathsig`,
   `nsenter`), not a `preexec_fn`, which is unsafe in a threaded parent
   such as a test process that imported TensorFlow.
@@ -117,6 +119,7 @@ class Hosts:
     self.subnet = list(_NETWORK.subnets(new_prefix=24))[subnet]
     self._holders: dict[str, subprocess.Popen[bytes]] = {}
     self._procs: list[subprocess.Popen[Any]] = []
+    self._ifbs: set[str] = set()  # Ifb devices made for rate limits.
     self.namespaces: set[str] = set()  # 'net:[inode]' of every namespace.
     self._lock = threading.Lock()
     try:
@@ -241,22 +244,35 @@ class Hosts:
     self._ip('switch', [f'link set p{self._index(name) + 1} master br0'])
 
   def limit(self, name: str, bits_per_s: float) -> None:
-    """Limits `name`'s link to `bits_per_s` each way (tbf on both ends).
+    """Limits `name`'s link to `bits_per_s` each way, in the switch: tbf
+    on its port toward the host, and on an ifb device that the port's
+    ingress (from the host) is redirected through. So the host's own
+    sending is never held back, as when the slow part is the network.
 
     The bucket holds 1 ms at the rate (≥ 16 KiB, about ten full-size
     frames), so no burst much beats the rate; the queue holds 50 ms."""
     rate = int(bits_per_s)
     burst = max(16384, rate // 8000)
-    limit = max(4 * burst, rate // 8 // 20)
-    qdisc = f'rate {rate}bit burst {burst} limit {limit}'
+    limit = max(4 * burst, rate // 8 // 2)
+    qdisc = f'tbf rate {rate}bit burst {burst} limit {limit}'
     port = f'p{self._index(name) + 1}'
-    self._tc(name, f'qdisc replace dev eth0 root tbf {qdisc}')
-    self._tc('switch', f'qdisc replace dev {port} root tbf {qdisc}')
+    ifb = f'ifb{self._index(name) + 1}'
+    if ifb not in self._ifbs:
+      self._ip('switch', [f'link add {ifb} type ifb', f'link set {ifb} up'])
+      self._tc('switch', f'qdisc add dev {port} handle ffff: ingress')
+      self._tc('switch', f'filter add dev {port} parent ffff: protocol all '
+               f'u32 match u32 0 0 action mirred egress redirect dev {ifb}')
+      self._ifbs.add(ifb)
+    self._tc('switch', f'qdisc replace dev {port} root {qdisc}')
+    self._tc('switch', f'qdisc replace dev {ifb} root {qdisc}')
 
   def unlimit(self, name: str) -> None:
-    """Removes `name`'s rate limit."""
-    self._tc(name, 'qdisc del dev eth0 root')
-    self._tc('switch', f'qdisc del dev p{self._index(name) + 1} root')
+    """Removes `name`'s rate limit (both ways)."""
+    i = self._index(name) + 1
+    if f'ifb{i}' in self._ifbs:
+      self._tc('switch', f'qdisc del dev p{i} root')
+      self._tc('switch', f'qdisc del dev ifb{i} root')
+      self._tc('switch', f'qdisc replace dev ifb{i} root pfifo')
 
   def tf_config(self, name: str, port: int = 2222, job: str = 'worker'
                 ) -> str:

@@ -10,21 +10,29 @@ described cluster:
 
 per link, and a ring all-reduce of B bytes over R devices sends
 2·(R−1)/R·B over its slowest link in 2·(R−1) hops. The simulator takes the
-transfer time as a callable of the two devices:
+transfer time as a callable of the two devices, and, to let transfers
+queue for a link, the part of it that holds the link (the bytes' share):
 
     cluster = Cluster(num_hosts=8, devices_per_host=8,
                       inside=Link(1.2e12, 5e-6), between=Link(100e9, 10e-6))
-    hop = cluster.transfer_time_fn([0.0] + [boundary_bytes] * (K - 1))
-    result = simulator.simulate(costs, M, transfer_time=hop)
+    sizes = [0.0] + [boundary_bytes] * (K - 1)
+    result = simulator.simulate(costs, M,
+                                transfer_time=cluster.transfer_time_fn(sizes),
+                                link_busy=cluster.link_busy_fn(sizes))
 
 Device (task) i sits on host i // devices_per_host; a run of K stages × R
 replicas puts stage s of replica r on task r·K + s (`processes.task_of`).
 
-What the model leaves out: a transfer waits for nothing but its data (two
-transfers on one link at once do not share it: keep a boundary's transfer
-shorter than the op between two sends, or the prediction is optimistic),
-and an all-reduce neither overlaps the backward nor uses a host-aware
-(hierarchical) ring.
+Why a queue: GPipe sends every micro-batch's activations as soon as it is
+computed, so on a slow link they wait for each other; measured between
+two hosts at 100 Mbit/s (benchmark.py links) they arrived one after
+another, each a transfer time after the previous one, as one TCP
+connection carries them in order. The latency overlaps (it is the
+receiver's and sender's fixed cost, not the wire's).
+
+What the model leaves out: links shared by other traffic (a boundary and
+an all-reduce at once), and an all-reduce that overlaps the backward or
+uses a host-aware (hierarchical) ring.
 """
 
 from __future__ import annotations
@@ -152,6 +160,19 @@ class Cluster:
                                 first_device + dst)
 
     return hop
+
+  def link_busy_fn(self, boundary_bytes: Sequence[float],
+                   first_device: int = 0) -> Callable[[int, int], float]:
+    """The simulator's `link_busy`: how long a transfer of
+    `transfer_time_fn` holds its link, its latency left out."""
+    sizes = [float(b) for b in boundary_bytes]
+
+    def busy(src: int, dst: int) -> float:
+      a, b = first_device + src, first_device + dst
+      return self.transfer_time(sizes[max(src, dst)], a, b) - (
+          self.link(a, b).latency if a != b else 0.0)
+
+    return busy
 
   def describe(self) -> str:
     return (f'{self.num_hosts} host(s) × {self.devices_per_host} device(s); '

@@ -336,7 +336,8 @@ def check_schedule(schedule: Sequence[Sequence[Op]]) -> int:
 
 def run_times(schedule: Sequence[Sequence[Op]],
               op_time: Callable[[int, Op], float],
-              transfer_time: float | Callable[[int, int], float] = 0.0
+              transfer_time: float | Callable[[int, int], float] = 0.0,
+              link_busy: Callable[[int, int], float] | None = None
               ) -> list[list[tuple[float, float]]]:
   """(start, end) of every op when each device runs its list in order.
 
@@ -349,6 +350,10 @@ def run_times(schedule: Sequence[Sequence[Op]],
     op_time: duration of `op` on `device`.
     transfer_time: per micro-batch device-to-device transfer time, or a
       callable (from device, to device) → seconds (`links.Cluster`).
+    link_busy: if given, (from, to) → the part of a transfer's time during
+      which its link carries nothing else (bytes ÷ bandwidth): transfers
+      in one direction then queue, in the order their readers take them;
+      the rest of `transfer_time` (latency) overlaps.
 
   Returns:
     Same shape as `schedule`: the (start, end) of each op.
@@ -363,6 +368,21 @@ def run_times(schedule: Sequence[Sequence[Op]],
   done: dict[tuple[int, Op], float] = {}
   times: list[list[tuple[float, float]]] = [[] for _ in schedule]
   free = [0.0] * num_devices
+  arrivals: dict[tuple[int, Op, int], float] = {}  # Each transfer, once.
+  link_free: dict[tuple[int, int], float] = {}
+
+  def arrival(s: int, o: Op, d: int) -> float:
+    if s == d:
+      return done[(s, o)]
+    if (s, o, d) not in arrivals:
+      begin = done[(s, o)]
+      if link_busy is not None:  # One transfer at a time per direction.
+        begin = max(begin, link_free.get((s, d), 0.0))
+        link_free[(s, d)] = begin + link_busy(s, d)
+      arrivals[(s, o, d)] = begin + (transfer_time(s, d) if callable(
+          transfer_time) else transfer_time)
+    return arrivals[(s, o, d)]
+
   while True:
     progressed = False
     for d, ops in enumerate(schedule):
@@ -372,10 +392,7 @@ def run_times(schedule: Sequence[Sequence[Op]],
                              (op.chunk, op.micro_batch) in rebuilt[d])
         if any(dep not in done for dep in deps):
           break
-        start = max([free[d]] + [
-            done[(s, o)] + (0.0 if s == d else transfer_time(s, d)
-                            if callable(transfer_time) else transfer_time)
-            for s, o in deps])
+        start = max([free[d]] + [arrival(s, o, d) for s, o in deps])
         end = start + op_time(d, op)
         times[d].append((start, end))
         done[(d, op)] = free[d] = end

@@ -6,8 +6,9 @@ costs a run that runs out of memory or idles most devices. This module
 replays one step on paper: every stage runs its ops in schedule order
 (`schedule.py`), an op starts when its stage is free and its dependencies
 are done (+ `transfer_time` when they cross stages: one time, or per pair
-of devices from a described cluster, `links.py`), and it lasts the stage's
-forward / recompute / backward time.
+of devices from a described cluster, `links.py`, whose transfers can also
+queue for their link), and it lasts the stage's forward / recompute /
+backward time.
 
 Memory model, per stage and micro-batch (from the op start/end times):
   with recompute   boundary_bytes from F's start to B's end (the saved
@@ -187,7 +188,9 @@ class SimResult:
 def simulate(stages: Sequence[StageCost], num_micro_batches: int,
              recompute: str = 'always', schedule: str = 'gpipe',
              transfer_time: float | Callable[[int, int], float] = 0.0,
-             num_chunks: int = 1) -> SimResult:
+             num_chunks: int = 1,
+             link_busy: Callable[[int, int], float] | None = None
+             ) -> SimResult:
   """Replays one training step of a K-stage, M-micro-batch pipeline.
 
   Args:
@@ -200,6 +203,9 @@ def simulate(stages: Sequence[StageCost], num_micro_batches: int,
       callable (from device, to device) → seconds, e.g.
       `links.Cluster.transfer_time_fn`.
     num_chunks: virtual stages per device (interleaved only).
+    link_busy: optional (from device, to device) → seconds a transfer
+      holds its link (`links.Cluster.link_busy_fn`): transfers in one
+      direction then queue (`schedule.run_times`).
 
   Returns:
     A SimResult.
@@ -224,7 +230,7 @@ def simulate(stages: Sequence[StageCost], num_micro_batches: int,
     raise SimulationError(str(e)) from e
   times = schedule_lib.run_times(
       ops, lambda d, op: stages[ops.stage(d, op)].time(op.kind),
-      transfer_time)
+      transfer_time, link_busy)
   events = sorted(
       (Event(ops.stage(d, op), op.micro_batch, op.kind, start, end)
        for d, device_ops in enumerate(ops)

@@ -89,3 +89,31 @@ def test_a_step_of_replicas_ends_with_each_stages_all_reduce():
              0.9 + c.all_reduce_time(4e6, [1, 3]))
   assert links.step_with_all_reduce(ends, grads, c, 2) == pytest.approx(want)
   assert links.step_with_all_reduce(ends, grads, c, 1) == 1.0
+
+
+def test_transfers_in_one_direction_queue_for_their_link():
+  """K=2, M=3, GPipe: F 1 s, B 2 s, a hop of 2 s on the wire + 0.5 s of
+  latency. Activations leave at 1, 2, 3 s and queue: they arrive at 3.5,
+  5.5, 7.5 s; stage 1 ends its backwards at 14.5 s, its gradients leave at
+  10.5, 12.5, 14.5 s and arrive at 13, 15, 17 s; the step ends at 19 s.
+  Without the queue they would arrive 1 s apart from 3.5 s: 17 s."""
+  link = links.Link(bandwidth=4.0, latency=0.5)  # 1 byte: 2 s on the wire.
+  cluster = links.Cluster(2, 1, inside=link, between=link)
+  stages = [simulator.StageCost(forward=1.0, boundary_bytes=1.0)] * 2
+  kwargs = dict(num_micro_batches=3, recompute='never',
+                transfer_time=cluster.transfer_time_fn([0.0, 1.0]))
+  queued = simulator.simulate(
+      stages, link_busy=cluster.link_busy_fn([0.0, 1.0]), **kwargs)
+  assert queued.step_time == pytest.approx(19.0)
+  starts = {(e.stage, e.kind, e.micro_batch): e.start for e in queued.events}
+  assert [starts[(1, 'F', m)] for m in range(3)] == pytest.approx(
+      [3.5, 5.5, 7.5])
+  assert simulator.simulate(stages, **kwargs).step_time == pytest.approx(17)
+  assert cluster.link_busy_fn([0.0, 1.0])(1, 0) == pytest.approx(2.0)
+  # M=1 with recompute: R and B of stage 0 both read the one gradient; it
+  # crosses the link once, so nothing queues.
+  kwargs.update(num_micro_batches=1, recompute='always')
+  assert simulator.simulate(
+      stages, link_busy=cluster.link_busy_fn([0.0, 1.0]),
+      **kwargs).step_time == pytest.approx(
+          simulator.simulate(stages, **kwargs).step_time)

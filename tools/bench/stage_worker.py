@@ -174,7 +174,7 @@ class _Config:
 
   def record(self) -> None:
     self._slices()
-    if self.recorder is not None:
+    if self.recorder is not None and self.cfg.get('record', True):
       self.result['records'].append([list(r) for r in self.recorder()])
 
   def memory(self, tf: Any) -> None:
