@@ -1,4 +1,5 @@
-"""tools/hosts.py: hosts made of network namespaces, and nothing left after.
+"""tools/hosts.py (and rehearse.py): hosts made of network namespaces, and
+nothing left after.
 
 Needs root and iproute2/util-linux; skipped with one line elsewhere. No
 TensorFlow runs here: the hosts talk through small Python sockets.
@@ -17,6 +18,7 @@ import pytest
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__))))
 _TOOL = os.path.join(_ROOT, 'tools', 'hosts.py')
+_REHEARSE = os.path.join(_ROOT, 'tools', 'rehearse.py')
 sys.path.insert(0, os.path.dirname(_TOOL))
 import hosts as hosts_lib  # pylint: disable=g-import-not-at-top,wrong-import-position
 
@@ -163,7 +165,8 @@ def test_the_command_line_runs_a_command_on_every_host_with_tf_config(
           'print(c["task"]["index"], c["cluster"]["worker"], '
           'socket.gethostbyname("h2")); '
           'raise SystemExit(3 if c["task"]["index"] == 1 else 0)')
-  proc = subprocess.run([sys.executable, _TOOL, '--hosts=2', '--rate=h1=1gbit',
+  proc = subprocess.run([sys.executable, _REHEARSE, '--hosts=2',
+                         '--rate=h1=1gbit',
                          '--', sys.executable, '-c', code],
                         capture_output=True, text=True, timeout=60)
   assert proc.returncode == 3, proc.stderr

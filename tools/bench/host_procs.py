@@ -135,6 +135,55 @@ def launch(spec: dict[str, Any], made: hosts_lib.Hosts, num_stages: int = 2,
   return run
 
 
+_SINK = """
+import socket
+s = socket.socket()
+s.bind(('0.0.0.0', 5001))
+s.listen()
+print('listening', flush=True)
+while True:
+  c, _ = s.accept()
+  while c.recv(1 << 20):
+    pass
+  c.sendall(b'k')
+  c.close()
+"""
+_SOURCE = """
+import socket, sys, time
+host, mib, reps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+chunk = b'x' * (1 << 20)
+for _ in range(reps):
+  c = socket.create_connection((host, 5001))
+  start = time.perf_counter()
+  for _ in range(mib):
+    c.sendall(chunk)
+  c.shutdown(socket.SHUT_WR)
+  c.recv(1)
+  print(mib * 8 * (1 << 20) / (time.perf_counter() - start), flush=True)
+"""
+
+
+def tcp_throughput(made: hosts_lib.Hosts, mib: int = 64,
+                   reps: int = 3) -> float:
+  """Median payload bits/s of a TCP stream from h1 (core 0) to h2 (core
+  1): what the link carries when nothing limits it but the hosts."""
+  sink = made.popen('h2', ['taskset', '-c', str(1 % (os.cpu_count() or 1)),
+                           sys.executable, '-c', _SINK],
+                    stdout=subprocess.PIPE, text=True)
+  try:
+    if sink.stdout is None or sink.stdout.readline() != 'listening\n':
+      raise stage_procs.LaunchError('the throughput probe did not start')
+    out = made.run('h1', ['taskset', '-c', '0', sys.executable, '-c',
+                          _SOURCE, 'h2', str(mib), str(reps)], timeout=300)
+    rates = sorted(float(x) for x in out.stdout.split())
+    if len(rates) != reps:
+      raise stage_procs.LaunchError(f'throughput probe: {out.stderr[-500:]}')
+    return rates[reps // 2]
+  finally:
+    sink.kill()
+    sink.wait()
+
+
 def _wait(procs: list[subprocess.Popen[bytes]], rates: _RateService,
           timeout_s: float) -> int:
   """The first failure's exit status (−1: timed out or no rate), else 0."""

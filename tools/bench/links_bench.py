@@ -17,8 +17,10 @@ The prediction of a configuration at rate r uses only what the unlimited
 link measured and the rate (links.py):
 
 - each stage's F and B times: the medians of its recorded unlimited steps;
-- a hop's fixed cost t0 (RPC, thread hand-offs, the veth): the transfer
-  time that makes the simulated unlimited step equal its recorded span;
+- a hop's latency t0 (RPC, copies, thread hand-offs): the transfer time
+  that makes the simulated unlimited step equal its recorded span, less
+  the boundary's time on the unlimited link itself (a TCP stream between
+  the two hosts, measured in the round: a few Gbit/s, the veth's copies);
 - u = wall step − recorded span, unlimited (the SGD update, the step's
   barrier, dispatch);
 
@@ -55,10 +57,10 @@ RECOMPUTE = 'never'
 def sizes(tiny: bool) -> dict[str, Any]:
   if tiny:
     return {'net': common.NetSpec(4, 32, 32), 'Ms': (2,), 'reps': 1,
-            'record': 1, 'rounds': 1}
+            'record': 1, 'rounds': 1, 'probe_mib': 4}
   # One FC(512) per stage, batch 2048: see the module docstring.
   return {'net': common.NetSpec(2, 512, 2048), 'Ms': (4, 8), 'reps': 7,
-          'record': 5, 'rounds': 3}
+          'record': 5, 'rounds': 3, 'probe_mib': 64}
 
 
 def _name(schedule: str, m: int, rate: float | None) -> str:
@@ -121,9 +123,11 @@ def fit_hop(op_s: list[dict[str, float]], m: int, schedule: str,
 
 
 def predict(base: dict[str, Any], m: int, schedule: str, rate: float,
-            boundary_bytes: float) -> dict[str, float]:
-  """The step at `rate` from the unlimited measurement `base`."""
-  t0 = fit_hop(base['op_s'], m, schedule, base['span_s'])
+            boundary_bytes: float, unlimited_bits: float) -> dict[str, float]:
+  """The step at `rate` from the unlimited measurement `base`; the
+  unlimited link carried `unlimited_bits` of payload per second."""
+  hop = fit_hop(base['op_s'], m, schedule, base['span_s'])
+  t0 = max(0.0, hop - boundary_bytes * 8 / unlimited_bits)
   link = links.Link(rate, latency=t0,
                     efficiency=links.TCP_ETHERNET_EFFICIENCY)
   cluster = links.Cluster(2, 1, inside=link, between=link)
@@ -132,7 +136,7 @@ def predict(base: dict[str, Any], m: int, schedule: str, rate: float,
                    cluster.transfer_time_fn(sizes),
                    cluster.link_busy_fn(sizes))
   return {'predicted_s': span + base['wall_s'] - base['span_s'],
-          'hop_s': link.transfer_time(boundary_bytes), 'fixed_hop_s': t0,
+          'hop_s': link.transfer_time(boundary_bytes), 'latency_s': t0,
           'wire_over_f': (link.transfer_time(boundary_bytes) - t0) /
                          base['op_s'][0]['F']}
 
@@ -142,24 +146,27 @@ def _round(cfg: dict[str, Any], index: int) -> dict[str, Any]:
              'two hosts)')
   runs, left = {}, []
   with host_procs.hosts_lib.Hosts(2) as made:
+    unlimited_bits = host_procs.tcp_throughput(made, cfg['probe_mib'])
     for m in cfg['Ms']:
       runs[m] = host_procs.launch(_spec(cfg, m), made)
       left += made.processes()
-  rows = []
+  rows, bases = [], []
   for m in cfg['Ms']:
     run = runs[m]
     boundary = cfg['net'].batch // m * cfg['net'].width * 4
     for s in SCHEDULES:
       base = _measured(run, _name(s, m, None))
+      bases.append(dict(base, schedule=s, M=m))  # To refit models later.
       for rate in RATES:
         measured = stage_procs.median_step(run, _name(s, m, rate))
-        pred = predict(base, m, s, rate, boundary)
+        pred = predict(base, m, s, rate, boundary, unlimited_bits)
         rows.append({'schedule': s, 'M': m, 'rate_bits': rate,
                      'boundary_bytes': boundary, 'measured_s': measured,
                      'unlimited_s': base['wall_s'], **pred,
                      'error': pred['predicted_s'] / measured - 1.0})
   worst = max(rows, key=lambda r: abs(r['error']))
-  return {'rows': rows, 'worst': worst, 'left_processes': left}
+  return {'rows': rows, 'worst': worst, 'left_processes': left,
+          'unlimited': bases, 'unlimited_bits': unlimited_bits}
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -192,11 +199,12 @@ def render(s: dict[str, Any]) -> str:
   table = [[r['schedule'], r['M'], _rate(r['rate_bits']),
             f'{r["boundary_bytes"] / 1024:.0f} KiB', r['unlimited_s'],
             r['measured_s'], r['predicted_s'], f'{100 * r["error"]:+.1f}%',
-            r['hop_s'] * 1e3, r['fixed_hop_s'] * 1e3, r['wire_over_f']]
+            r['hop_s'] * 1e3, r['latency_s'] * 1e3, r['wire_over_f']]
            for r in last['rows']]
   rounds = [[i + 1, f'{100 * r["worst"]["error"]:+.1f}%',
              f'{r["worst"]["schedule"]}, M={r["worst"]["M"]}, '
-             f'{_rate(r["worst"]["rate_bits"])}']
+             f'{_rate(r["worst"]["rate_bits"])}',
+             links.format_rate(r['unlimited_bits'])]
             for i, r in enumerate(s['rounds'])]
   lines = [
       f'Network: {s["network"]}; K=2, recompute={RECOMPUTE}; stage 0 on '
@@ -204,17 +212,19 @@ def render(s: dict[str, Any]) -> str:
       'ways, in the switch). Measured: the median wall-clock step of '
       f'{s["reps"]} steps per rate, rates alternated within one launch '
       '(one launch per M). Predicted from the unlimited link\'s op times '
-      f'(medians of {s["record"]} recorded steps), its fitted fixed hop '
-      'cost and the rate: hop = boundary ÷ (rate × 1448/1514) + fixed, the '
-      'wire part queued per direction (links.py).',
+      f'(medians of {s["record"]} recorded steps), its hop latency (the '
+      'fitted hop less the boundary at the unlimited link\'s measured TCP '
+      'rate) and the rate: hop = boundary ÷ (rate × 1448/1514) + latency, '
+      'the wire part queued per direction (links.py).',
       '',
-      report.table(['round', 'worst error', 'where'], rounds),
+      report.table(['round', 'worst error', 'where',
+                    'unlimited link (TCP payload)'], rounds),
       '',
       'The last round in full:',
       '',
       report.table(['schedule', 'M', 'link', 'boundary', 'unlimited (s)',
                     'measured (s)', 'predicted (s)', 'error', 'hop (ms)',
-                    'fixed part (ms)', 'wire ÷ F'], table),
+                    'latency (ms)', 'wire ÷ F'], table),
       '',
       report.target_lines(s['targets']),
       '',
