@@ -180,8 +180,8 @@ def start(config: ClusterConfig | None, *, cores: Sequence[int] | None = None,
         'the addresses are reachable from this host.')
   if watchdog:  # Before the barrier: a peer lost during it is named.
     watch.start()
-  _meet(peers, peer_timeout_s, watch if watchdog else None)
-  return Runtime(peers, watch if watchdog else None)
+  _meet(peers, peer_timeout_s, watch)
+  return Runtime(peers, watch)
 
 
 def define_flags() -> None:
@@ -392,15 +392,14 @@ def _start_server(config: ClusterConfig) -> None:
 
 
 def _meet(peers: collective.Peers, timeout_s: float,
-          watch: 'watchdog_lib.Watchdog | None') -> None:
+          watch: 'watchdog_lib.Watchdog') -> None:
   """A first barrier: every task is up and the collective path works. A
   peer lost meanwhile ends the process through `watch`, naming it."""
   slow = dataclasses.replace(peers, timeout_s=timeout_s, op_timeout_s=None)
   try:
     slow.barrier(key=('startup',))
   except Exception as e:  # pylint: disable=broad-except
-    if watch is not None:
-      watch.exit_if_peer_dead(cause=e)
+    watch.exit_if_peer_dead(cause=e)
     raise ClusterError(
         f'task {peers.task}: the start-up barrier of {peers.num_tasks} tasks '
         f'failed within {timeout_s:g} s ({type(e).__name__}) though every '
