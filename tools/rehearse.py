@@ -1,8 +1,8 @@
 """Rehearses a cluster on one machine: README's recipe on hosts h1 … hN.
 
     sudo python tools/rehearse.py --hosts=2 -- \\
-        python -m lingvo_pipe.worker --model=synthetic.regression.MlpRegression \\
-        --logdir=/tmp/two_hosts
+        python -m lingvo_pipe.worker \\
+        --model=synthetic.regression.MlpRegression --logdir=/tmp/two_hosts
 
 makes hosts h1 … hN (tools/hosts.py: network namespaces on one switch),
 runs the command on every host with `TF_CONFIG` naming the cluster
@@ -27,7 +27,8 @@ import time
 from typing import IO, Any, Sequence
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from hosts import Hosts, HostsError, parse_rate  # pylint: disable=g-import-not-at-top,wrong-import-position
+# pylint: disable-next=g-import-not-at-top,wrong-import-position
+from hosts import Hosts, HostsError, parse_rate
 
 
 def _parser() -> argparse.ArgumentParser:

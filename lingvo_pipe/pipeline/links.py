@@ -16,9 +16,9 @@ queue for a link, the part of it that holds the link (the bytes' share):
     cluster = Cluster(num_hosts=8, devices_per_host=8,
                       inside=Link(1.2e12, 5e-6), between=Link(100e9, 10e-6))
     sizes = [0.0] + [boundary_bytes] * (K - 1)
-    result = simulator.simulate(costs, M,
-                                transfer_time=cluster.transfer_time_fn(sizes),
-                                link_busy=cluster.link_busy_fn(sizes))
+    result = simulator.simulate(
+        costs, M, transfer_time=cluster.transfer_time_fn(sizes),
+        link_busy=cluster.link_busy_fn(sizes))
 
 Device (task) i sits on host i // devices_per_host; a run of K stages × R
 replicas puts stage s of replica r on task r·K + s (`processes.task_of`).

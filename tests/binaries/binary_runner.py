@@ -83,6 +83,17 @@ def read_checkpoint(path):
           if name != '_CHECKPOINTABLE_OBJECT_GRAPH'}
 
 
+def read_checkpoint_shards(path):
+  """{key: value} of checkpoint `path`, whole or from all its shards."""
+  # pylint: disable=g-import-not-at-top
+  from lingvo_pipe.core import checkpoints
+  values = {}
+  for part in checkpoints.files_of(str(path)):
+    values.update(read_checkpoint(part))
+  assert values, f'no files for {path}'
+  return values
+
+
 def max_relative_diff(a, b):
   """max over variables of max|a−b| / max(max|a|, tiny)."""
   assert sorted(a) == sorted(b)

@@ -138,15 +138,6 @@ def check_removed(hosts, before):
   assert interfaces() == before
 
 
-def read(path):
-  """{key: value} of checkpoint `path`, whole or from all its shards."""
-  values = {}
-  for part in checkpoints.files_of(str(path)):
-    values.update(br.read_checkpoint(part))
-  assert values, f'no files for {path}'
-  return values
-
-
 def train_alone(logdir, steps=STEPS, overrides=OVERRIDES):
   """The one-process run every multi-host run must equal."""
   rc, _, err = br.run('trainer', f'--model={br.MODEL}', f'--logdir={logdir}',
