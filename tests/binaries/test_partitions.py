@@ -11,8 +11,8 @@ unreachable peer and its address, stating how long it has been silent and
 when the task exits; the test checks that the task did end by then
 (`_check_verdicts`: a deadline with margin, not a tight wall time), that no
 process, namespace or interface is left, and that no partial checkpoint is
-listed. A restart after healing resumes and ends with the weights of the
-uninterrupted run (one process). A blip that heals within a few seconds is
+listed. A restart after healing (the cut during a save) resumes and ends
+with the weights of the uninterrupted run (one process). A blip that heals within a few seconds is
 ridden out: packets dropped silently are resent by TCP, so the step goes
 on (a collective that failed would abort every collective of its process).
 """
@@ -90,8 +90,10 @@ def _restart_and_compare(hosts, tmp_path, logdir, alone, overrides):
   return again
 
 
-def test_a_cut_in_the_middle_of_a_step_ends_both_tasks_and_a_restart_resumes(
-    alone, tmp_path):
+def test_a_cut_in_the_middle_of_a_step_ends_both_tasks(tmp_path):
+  """Restarts are checked after the cut during a save (below), which also
+  leaves a partial checkpoint to clean up: two processes fewer here."""
+  mh.need_hosts()
   before, logdir = mh.interfaces(), tmp_path / 'run'
   with mh.hosts_lib.Hosts(2) as hosts:
     hosts.limit('h2', _SLOW)  # Steps are transfers: the cut falls in one.
@@ -103,9 +105,7 @@ def test_a_cut_in_the_middle_of_a_step_ends_both_tasks_and_a_restart_resumes(
     _check_verdicts(run, cut_at)
     assert hosts.processes() == []
     listed = mh.listed_are_complete(logdir)
-    assert checkpoints.step_of(listed[-1]) < mh.STEPS
-    hosts.unlimit('h2')
-    _restart_and_compare(hosts, tmp_path, logdir, alone, mh.OVERRIDES)
+    assert listed and checkpoints.step_of(listed[-1]) < mh.STEPS
   mh.check_removed(hosts, before)
 
 
