@@ -8,7 +8,9 @@ Sub-commands (sections.py): efficiency, overlap, table1, peer, slices
 (issue 9: stage processes, data parallelism, GPipe Table 1, torch's
 pipelining, the compute threads' scheduler slice);
 schedules, fidelity, partition, overheads, timeline (issue 10: 1F1B vs
-GPipe, the simulator, profiled partitions, tracing, pictures). Each writes
+GPipe, the simulator, profiled partitions, tracing, pictures); links
+(issue 27: K=2 over rate-limited links between hosts made of network
+namespaces, as root; the simulator at scale on paper). Each writes
 its section into docs/benchmarks.json and re-renders docs/benchmarks.md
 (plus PNGs) from it. `all` runs each sub-command in its own child process,
 so the allocator and TF runtime of one section cannot leak into the next;
