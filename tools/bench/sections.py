@@ -9,6 +9,7 @@ from bench import common
 from bench import efficiency
 from bench import fidelity
 from bench import keras_bench
+from bench import links_bench
 from bench import overheads
 from bench import overlap
 from bench import partition_bench
@@ -41,6 +42,8 @@ _SECTIONS = {
     'timeline': ('Timelines of one step per schedule', timeline_bench),
     'keras': ('A wrapped Keras CNN vs the same network in lingvo_pipe '
               'layers', keras_bench),
+    'links': ('K=2 over rate-limited links between hosts, and the '
+              'simulator at scale', links_bench),
 }
 NAMES = tuple(_SECTIONS)
 TITLES = tuple(title for title, _ in _SECTIONS.values())
