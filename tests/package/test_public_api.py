@@ -80,6 +80,9 @@ API = {
     'lingvo_pipe.layers.shape': ['FlattenLayer', 'IdentityLayer',
                                  'ReshapeLayer'],
     'lingvo_pipe.layers.softmax': ['SoftmaxLayer'],
+    'lingvo_pipe.layers.keras_layer': ['KerasLayer'],
+    'lingvo_pipe.keras': ['KerasLayer', 'from_keras', 'layer_params',
+                          'to_keras'],
     'lingvo_pipe.layers.transformer': [
         'TransformerDecoderLayer', 'TransformerEncoderLayer',
         'TransformerFeedForwardLayer'],
