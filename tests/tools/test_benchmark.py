@@ -1,81 +1,58 @@
-"""tools/benchmark.py end to end on tiny sizes (numbers are not checked).
+"""tools/benchmark.py: every section renders, and its helpers (cheap).
 
-Most sections start real stage processes (tools/bench/stage_procs.py), so
-these tests also check that every one of them is stopped.
+Every section's Markdown and pictures are rendered from tiny results
+recorded by the sections themselves (`benchmark_tool.RECORDED`); running
+each section end to end at tiny sizes is test_benchmark_sections.py
+(tagged long: each section starts stage processes, minutes in all).
 """
 
-import importlib.util
 import json
 import os
-import re
-import subprocess
-import sys
+import shutil
 
 import pytest
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(
-    os.path.abspath(__file__))))
-_TOOL = os.path.join(_ROOT, 'tools', 'benchmark.py')
+import benchmark_tool  # pylint: disable=g-bad-import-order
 
-
-def _load():
-  spec = importlib.util.spec_from_file_location('benchmark_tool', _TOOL)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)  # Puts tools/ on sys.path for `bench`.
-  return module
-
-
-benchmark = _load()
+benchmark_tool.load()  # Puts tools/ on sys.path.
 from bench import peer  # pylint: disable=C0413
 from bench import report  # pylint: disable=C0413
 from bench import sections  # pylint: disable=C0413
 from bench import stage_procs  # pylint: disable=C0413
 from bench import table1  # pylint: disable=C0413
-import hosts  # pylint: disable=C0413,wrong-import-order
 
-# What each section's Markdown must show: table headers, targets, papers.
-_EXPECTED = {
-    'efficiency': ['| round | K=1 step (s) | K=2 step (s)', 'C_stage',
-                   'pipeline efficiency K=2, M=8, round 1',
-                   'data parallel R=2 × K=1', 'GPipe AmoebaNet (TPU)',
-                   '| 32 | 8 | 6.56 | 3.48 | 6.3 | 4.95 |'],
-    'overlap': ['| K | schedule | stages | both busy, measured (ms)',
-                'K=4 gpipe: stages 2-3 busy at once',
-                'K=3 1f1b: stages 1-2 busy at once'],
-    'table1': ['| config | max layers |', '| naive |', '| pipeline-4 |',
-               '(18, 208)', '1663 layers', 'TF_CPU_BFC_MEM_LIMIT_IN_MB',
-               'table1.png'],
-    'peer': ['| config | lingvo_pipe', 'K=2, M=8'],
-    'slices': ['| configuration | launch 1: off / on (s)', 'K=2 1f1b M=8',
-               'Step time saved by the short slice'],
-    'schedules': ['**Memory**', 'peak activation memory 1F1B ÷ GPipe, K=2, '
-                  'M=32', '1F1B growth M=8 → M=32',
-                  'step time 1F1B ÷ GPipe, K=2, M=8', 'interleaved',
-                  'schedules_memory.png'],
-    'fidelity': ['| K | M | schedule | measured step (s) | predicted (s) |',
-                 'round 1: worst |predicted ÷ measured − 1|', 'fidelity.png'],
-    'tracing': ['| round | schedule | ops M=2 | ops M=8',
-                'gpipe: graph ops at M=8 ÷ M=2 − 1',
-                '1f1b: tracing + first step at M=8 ÷ M=2'],
-    'partition': ['| K | partition by | boundaries',
-                  'profile partition, K=2'],
-    'overheads': ['| step | time (s) |', 'hand-written',
-                  '| form | M | graph ops | trace (s) |',
-                  'tracing time M=64 ÷ M=8, FPropLoss 1f1b'],
-    'timeline': ['timeline_k2_m8.png', 'timeline_k2_m8.trace.json',
-                 'most micro-batches held per stage'],
-    'keras': ['| network | first call (s) | step (s) |', '| wrapped Keras |',
-              'wrapped Keras ÷ lingvo_pipe layers, step time'],
-    # Without network namespaces (not root), only the paper part.
-    'links': (['| schedule | M | link | boundary |', '100 Mbit/s',
-               'round 1: worst |predicted ÷ measured − 1|']
-              if hosts.unavailable() is None else ['Not measured: ']) + [
-                  '| 32 | 8 | 6.56 | 6.3 | 3.48 | 4.95 |',
-                  'Between hosts 10 Gbit/s'],
-}
-_FILES = {'table1': ['table1.png'], 'schedules': ['schedules_memory.png'],
-          'fidelity': ['fidelity.png'],
-          'timeline': ['timeline_k2_m8.png', 'timeline_k2_m8.trace.json']}
+
+def _recorded() -> dict:
+  with open(benchmark_tool.RECORDED, encoding='utf-8') as f:
+    return json.load(f)
+
+
+def test_every_section_is_tested():
+  assert set(benchmark_tool.EXPECTED) == set(sections.NAMES)
+
+
+@pytest.mark.parametrize('name', sections.NAMES)
+def test_section_renders_from_recorded_tiny_results(name, tmp_path):
+  record = (f'record them: python tools/benchmark.py {name} --tiny '
+            '--out_dir tests/tools/data/tiny')
+  results = _recorded()
+  assert name in results, f'No recorded tiny results for {name!r}; {record}'
+  section = results[name]
+  assert section['tiny'] and section['command'].startswith(
+      'python tools/benchmark.py ' + name)
+  shutil.copy(benchmark_tool.RECORDED, tmp_path / 'benchmarks.json')
+  sections.finish(str(tmp_path), 'python tools/benchmark.py all --tiny', 1.0)
+  text = (tmp_path / 'benchmarks.md').read_text()
+  assert '# lingvo_pipe benchmarks' in text and 'Machine:' in text
+  for title in sections.TITLES:
+    assert f'## {title}' in text  # Every section, run or not.
+  own = text.split(f'## {sections.TITLES[sections.NAMES.index(name)]}\n')[1]
+  assert 'predate' not in own.split('\n## ')[0], (
+      f'The recorded {name!r} results no longer render; {record}')
+  for snippet in benchmark_tool.EXPECTED[name]:
+    assert snippet in text, snippet
+  for filename in benchmark_tool.FILES.get(name, []):
+    assert (tmp_path / filename).stat().st_size > 100, filename
 
 
 def _alive(pid):
@@ -84,48 +61,6 @@ def _alive(pid):
   except ProcessLookupError:
     return False
   return True
-
-
-def test_every_section_is_tested():
-  assert set(_EXPECTED) == set(sections.NAMES)
-
-
-@pytest.mark.parametrize('name', sections.NAMES)
-def test_section_end_to_end_tiny(name, tmp_path):
-  assert benchmark.main([name, '--tiny', '--out_dir', str(tmp_path)]) == 0
-  results = json.loads((tmp_path / 'benchmarks.json').read_text())
-  section = results[name]
-  assert section['tiny'] and section['command'].startswith(
-      'python tools/benchmark.py ' + name)
-  assert len(section['load']) == 2
-  for target in section.get('targets', []):
-    assert isinstance(target['met'], bool)
-  text = (tmp_path / 'benchmarks.md').read_text()
-  assert '# lingvo_pipe benchmarks' in text and 'Machine:' in text
-  for title in sections.TITLES:
-    assert f'## {title}' in text  # Every section, run or not.
-  for snippet in _EXPECTED[name]:
-    assert snippet in text, snippet
-  for filename in _FILES.get(name, []):
-    data = (tmp_path / filename).read_bytes()
-    assert len(data) > 100, filename
-
-
-def test_stage_processes_none_left_behind(tmp_path):
-  proc = subprocess.run(
-      [sys.executable, _TOOL, 'timeline', '--tiny', '--out_dir',
-       str(tmp_path)], capture_output=True, text=True, timeout=600,
-      env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL='2'))
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  found = re.search(r'2 stage process\(es\), launcher pid (\d+), task pids '
-                    r'\[(\d+), (\d+)\]: exit 0', proc.stderr)
-  assert found, proc.stderr[-3000:]
-  for pid in map(int, found.groups()):
-    assert not _alive(pid)  # The launcher and both tasks, stopped, reaped.
-  section = json.loads((tmp_path / 'benchmarks.json').read_text())['timeline']
-  assert section['devices'].startswith('stage processes')
-  gpipe_row = section['rows'][0]
-  assert {r[0] for r in gpipe_row['records']} == {0, 1}  # Both processes.
 
 
 def test_a_failed_launch_stops_every_task():
