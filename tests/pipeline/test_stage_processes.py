@@ -32,7 +32,9 @@ import stage_runs  # pylint: disable=g-bad-import-order
     ('transformer', 2, 1, 4, 'gpipe', 'except_last'),
     ('conv_bn', 2, 2, 2, '1f1b', 'always'),  # R=2 × K=2 = R=1 × K=2, M=4.
     ('nested', 2, 1, 4, 'interleaved', 'never'),
-    ('nested', 4, 1, 4, '1f1b', 'except_last'),
+    # Middle stages receive from both neighbours; at M=8 such a period hung
+    # as a loop (loops.py emits it action by action).
+    ('nested', 4, 1, 8, '1f1b', 'except_last'),
     ('conv_bn', 2, 1, 4, 'gpipe', 'needed'),  # Kept F3 on both stages.
     # M=8: the steady state runs as loops in each process.
     ('transformer', 2, 1, 8, '1f1b', 'always'),
