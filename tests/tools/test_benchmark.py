@@ -51,8 +51,9 @@ def test_section_renders_from_recorded_tiny_results(name, tmp_path):
       f'The recorded {name!r} results no longer render; {record}')
   for snippet in benchmark_tool.EXPECTED[name]:
     assert snippet in text, snippet
-  for filename in benchmark_tool.FILES.get(name, []):
-    assert (tmp_path / filename).stat().st_size > 100, filename
+  if name not in benchmark_tool.DRAWN_WHILE_RUNNING:
+    for filename in benchmark_tool.FILES.get(name, []):
+      assert (tmp_path / filename).stat().st_size > 100, filename
 
 
 def _alive(pid):
