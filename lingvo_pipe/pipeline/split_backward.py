@@ -27,22 +27,31 @@ matmul's input activation and dz; a bias add's dz only). With recompute,
 I's forward collects no statistics (its function holds none of their ops).
 Dropout masks are those of the forward: the same ops on the same
 (step, micro-batch) inputs. Eagerly, the functions still run traced: the
-split reads the graph.
+split reads the graph. `Traced.kept_bytes` / `saved_bytes` are the memory
+per micro-batch between I and W / F and I; `layer_bytes` gives them per
+layer from Params, for the memory model.
+
+Where it does not split: an op that runs a function (cond, while loop,
+nested tf.function) is taken whole, W re-running its backward for the
+weights' part (`Traced.whole`); if an op's gradient cannot be taken apart
+at all, the stage is not split (`Traced.reason`): I computes dθ with dx,
+kept holds dθ and W adds it.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import tensorflow as tf
 
 from lingvo_pipe import errors
+from lingvo_pipe.core import fprop_context
 from lingvo_pipe.core.fprop_context import StatsCollector
 from lingvo_pipe.pipeline import split_trace
 from lingvo_pipe.pipeline.split_trace import Traced, num_bytes
 from lingvo_pipe.pipeline.stage_ops import Stage, chained
 
-__all__ = ['SplitError', 'SplitStage', 'Traced', 'num_bytes']
+__all__ = ['SplitError', 'SplitStage', 'Traced', 'layer_bytes', 'num_bytes']
 
 Scope = Callable[[Any, StatsCollector | None, Any], Any]
 
@@ -149,6 +158,39 @@ class SplitStage:
       raise SplitError(f'{len(self._traces)} signatures traced for this '
                        'stage: pass x (and side) to weight_grad to pick one.')
     return next(iter(self._traces.values()))
+
+
+def layer_bytes(params: Any, input_specs: Sequence[Any]) -> tuple[int, int]:
+  """(kept, saved) bytes of one layer per micro-batch, from Params alone.
+
+  For the memory model: the layer is built in a graph of its own (its
+  variables are never allocated) and its split traced on specs. A stage's
+  kept bytes are the sum of its layers' (each weight's op belongs to one
+  layer); summed saved bytes count each tensor between two layers twice
+  (the one's output, the other's input), an upper bound.
+
+  Args:
+    params: the layer's Params.
+    input_specs: one TensorSpec (or nest of them) per positional input, at
+      the micro-batch's shape.
+  """
+  with tf.Graph().as_default():
+    layer = params.Instantiate()
+    theta = tf.nest.map_structure(lambda v: tf.TensorSpec(v.shape, v.dtype),
+                                  layer.theta)
+
+    def _fprop(th: Any, x: tuple[Any, ...]) -> tuple[Any, ...]:
+      out = layer.FProp(th, *x)
+      return out if isinstance(out, tuple) else (out,)
+
+    stage = Stage(_fprop, theta, '')
+    traced = SplitStage(stage, _training).trace(theta, tuple(input_specs))
+  return traced.kept_bytes, traced.saved_bytes
+
+
+def _training(m: Any, stats: StatsCollector | None, step: Any) -> Any:
+  return fprop_context.scope(training=True, step=step, micro_batch_index=m,
+                             stats=stats)
 
 
 def _leaves(side: Any) -> list[Any]:

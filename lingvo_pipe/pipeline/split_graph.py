@@ -26,9 +26,11 @@ generically, with no help from the layers:
   reads from the forward and from I (its `kept`) is exactly what its
   gradient functions read: a matmul's input and dz, a bias add's dz only.
 
-Ops that run a function (While, If, a nested function call) cannot be split
-this way (their gradients rewrite the forward op); a stage holding one as a
-mixing op falls back to the fused backward (`Analysis.unsplittable`).
+An op that runs a function (While, If, a nested function call) is one op to
+this reading: its gradient function computes the gradients of all its
+inputs in one piece, so W re-runs that piece's whole backward to get its
+weights' part (`Analysis.whole`: correct, but that piece costs 2 B). The
+split never reaches into the function.
 """
 
 from __future__ import annotations
@@ -44,10 +46,18 @@ from lingvo_pipe import errors
 
 Ref = object  # tf.Tensor.ref(): tensors as dict keys.
 
-# Ops that run a function: splitting them would rewrite the forward op.
+# Ops that run a function: their backward is one piece (module docstring).
 _FUNCTION_OPS = frozenset({
     'While', 'StatelessWhile', 'If', 'StatelessIf', 'Case', 'StatelessCase',
     'PartitionedCall', 'StatefulPartitionedCall'})
+
+
+class LocalGradError(errors.LingvoPipeError):
+  """An op's gradient function failed when W called it for its weights."""
+
+
+class BoundaryError(errors.LingvoPipeError):
+  """A part of the graph waits on an earlier part by a control edge."""
 
 
 @dataclasses.dataclass
@@ -56,7 +66,7 @@ class Analysis:
   weight: set[Ref]  # Weight-side tensors: recomputable from θ (and consts).
   derived: set[Ref]  # Those of them that depend on θ.
   mixing: list[tf.Operation]
-  unsplittable: list[str]  # 'Type name' of mixing ops that cannot be split.
+  whole: list[str]  # 'Type name' of mixing ops W re-runs the backward of.
 
 
 def _stateful(op: tf.Operation) -> bool:
@@ -78,7 +88,7 @@ def analyse(forward_ops: Sequence[tf.Operation],
   """
   weight = {t.ref() for t in theta}
   derived = set(weight)
-  mixing, unsplittable = [], []
+  mixing, whole = [], []
   for op in forward_ops:
     reads = [t.ref() in weight for t in op.inputs]
     pure = (not _stateful(op) and not op.control_inputs and
@@ -90,8 +100,8 @@ def analyse(forward_ops: Sequence[tf.Operation],
     elif any(t.ref() in derived and t.dtype.is_floating for t in op.inputs):
       mixing.append(op)
       if op.type in _FUNCTION_OPS:
-        unsplittable.append(f'{op.type} {op.name}')
-  return Analysis(weight, derived, mixing, unsplittable)
+        whole.append(f'{op.type} {op.name}')
+  return Analysis(weight, derived, mixing, whole)
 
 
 def zeros(t: tf.Tensor) -> tf.Tensor:
@@ -105,21 +115,22 @@ def local_weight_grads(op: tf.Operation, dz: dict[int, tf.Tensor],
                        derived: set[Ref]) -> list[tuple[tf.Tensor, tf.Tensor]]:
   """(θ-derived input, its gradient) through `op` alone, given the
   gradients `dz` at its outputs (by output index)."""
-  grad_fn = tf_ops.get_gradient_function(op)
-  if grad_fn is None:
-    return []
   out = [dz[i] if i in dz else zeros(t) if t.dtype.is_floating else None
          for i, t in enumerate(op.outputs)]
-  with tf.name_scope(f'{op.name}_wgrad'):
-    grads = grad_fn(op, *out)
+  try:
+    grad_fn = tf_ops.get_gradient_function(op)
+    if grad_fn is None:
+      return []
+    with tf.name_scope(f'{op.name}_wgrad'):
+      grads = grad_fn(op, *out)
+  except Exception as e:  # pylint: disable=broad-except
+    # A gradient function that cannot run a second time, on its own: the
+    # stage falls back to the fused backward (split_trace.trace).
+    raise LocalGradError(f'{op.type} {op.name}: {e}') from e
   if not isinstance(grads, (list, tuple)):
     grads = [grads]
   return [(t, g) for t, g in zip(op.inputs, grads)
           if g is not None and t.ref() in derived and t.dtype.is_floating]
-
-
-class BoundaryError(errors.LingvoPipeError):
-  """A part of the graph waits on an earlier part by a control edge."""
 
 
 def walk(fetches: Sequence[tf.Tensor], inner: Callable[[tf.Operation], bool],

@@ -67,6 +67,8 @@ class Traced:
     self.kept_specs = [tf.TensorSpec(t.shape, t.dtype) for t in kept]
     self.saved_specs = [tf.TensorSpec(t.shape, t.dtype) for t in saved]
     self.reason = g.reason  # Why I computes dθ too (kept holds it); ''.
+    # Ops whose whole backward W re-runs (split_graph.Analysis.whole).
+    self.whole = list(g.analysis.whole) if not g.reason else []
 
   @property
   def split(self) -> bool:
@@ -213,9 +215,6 @@ def _trace_graph(stage: Stage, scope: Callable[..., Any], structures: tuple,
           stage, scope, g, tf.nest.pack_sequence_as(theta, g.theta),
           _pack(x, g.x), None if side is None else tf.nest.pack_sequence_as(
               side, side_leaves), flat[-2], flat[-1])
-      if g.analysis.unsplittable and not g.reason:
-        g.reason = ('mixing ops that run a function: ' +
-                    ', '.join(g.analysis.unsplittable))
       dz = _trace_input_grad(g, y_float)
       _trace_weight_grad(g, dz)
 
@@ -236,10 +235,11 @@ def trace(stage: Stage, scope: Callable[..., Any], structures: tuple,
     specs: θ's leaves, x's non-None leaves, side's leaves, then m (int32)
       and step (int64).
   """
-  g = _trace_graph(stage, scope, structures, specs, '')
   try:
+    g = _trace_graph(stage, scope, structures, specs, '')
     kept, saved = _boundaries(g)
-  except split_graph.BoundaryError as e:
+  except (split_graph.BoundaryError, split_graph.LocalGradError) as e:
+    # Not split: I computes dθ with dx (B's cost), W only adds it.
     g = _trace_graph(stage, scope, structures, specs, str(e))
     kept, saved = _boundaries(g)
   return Traced(g, kept, saved)

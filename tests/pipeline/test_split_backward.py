@@ -18,8 +18,10 @@ from lingvo_pipe.core import fprop_context
 from lingvo_pipe.layers import embedding
 from lingvo_pipe.layers import linear
 from lingvo_pipe.pipeline import engine
+from lingvo_pipe.pipeline import split_graph
 from lingvo_pipe.pipeline import stage_ops
-from lingvo_pipe.pipeline.split_backward import SplitStage, num_bytes
+from lingvo_pipe.pipeline.split_backward import SplitStage, layer_bytes
+from lingvo_pipe.pipeline.split_backward import num_bytes
 from lingvo_pipe.pipeline.stage_ops import Stage
 
 M = 2  # Micro-batches of stacks.BATCH examples.
@@ -189,6 +191,16 @@ def test_kept_bytes_of_an_mlp():
   assert num_bytes(traced.kept_specs) == traced.kept_bytes
 
 
+def test_layer_bytes_add_up_to_the_stage():
+  """What the memory model reads per layer, from Params alone."""
+  net, _ = stacks.net('transformer', num_stages=2, num_micro_batches=M)
+  stage, x, side, _ = _stages('transformer')[0]
+  specs = [tf.TensorSpec(t.shape, t.dtype) for t in x]
+  layers = net.params.layers[:len(stage.theta)]
+  kept = sum(layer_bytes(p, specs)[0] for p in layers)  # Shapes stay put.
+  assert kept == _split_stage(stage).trace(_theta(stage), x, side).kept_bytes
+
+
 def test_bfloat16_fprop():
   stage = _fc_stack(2, 8, tf.bfloat16)
   theta = _theta(stage)
@@ -211,35 +223,35 @@ def test_bfloat16_fprop():
                              want) <= 1e-6
 
 
-def _embed_stage(control_flow):
-  """(ids int32, None, weights float) → an embedding, an FC, optionally
-  a tf.cond that reads a weight (which cannot be split)."""
+def _embed_stage(piece):
+  """(ids int32, None, weights float) → an embedding, an FC, then
+  optionally a piece that runs a function and reads a weight."""
   emb = embedding.EmbeddingLayer.Params().Set(
       name='emb', vocab_size=7, embedding_dim=4).Instantiate()
   fc = linear.FCLayer.Params().Set(name='fc', input_dim=4,
                                    output_dim=4).Instantiate()
+  inner = tf.function(lambda h, w: tf.tanh(tf.tensordot(h, w, 1)))
 
   def _fprop(theta, x):
     ids, none, w = x
     assert none is None
     h = fc.FProp(theta[1], emb.FProp(theta[0], ids)) * w[..., None]
-    if control_flow:
-      h = tf.cond(tf.reduce_sum(w) > 0, lambda: h * theta[1].b,
-                  lambda: h - theta[1].b)
+    b, v = theta[1].b, theta[1].w
+    if piece == 'cond':
+      h = tf.cond(tf.reduce_sum(w) > 0, lambda: h * b, lambda: h - b)
+    elif piece == 'while':
+      h = tf.while_loop(lambda i, h: i < 2, lambda i, h: (
+          i + 1, tf.tanh(tf.tensordot(h, v, 1))), (0, h))[1]
+    elif piece == 'call':
+      h = inner(h, v)
     return (h,)
   return Stage(_fprop, [emb.theta, fc.theta], '/device:CPU:0')
 
 
-@pytest.mark.parametrize('control_flow', [False, True])
-def test_int_and_none_inputs_and_the_fallback(control_flow):
-  stage = _embed_stage(control_flow)
+def _check_against_tape(stage, split):
   theta = _theta(stage)
   x = (tf.constant([[1, 2], [3, 1]]), None, tf.constant([[1., 2.], [.5, 1.]]))
   dys = [tf.random.normal([2, 2, 4])]
-  split = SplitStage(stage, _scope)
-  traced = split.trace(theta, x)
-  assert traced.split != control_flow, traced.reason
-  assert ('If' in traced.reason) == control_flow
   dx, kept = split.input_grad(theta, x, None, dys, 0, STEP)
   assert len(dx) == 1  # The float leaf only.
   got = split.weight_grad(theta, kept)
@@ -250,3 +262,27 @@ def test_int_and_none_inputs_and_the_fallback(control_flow):
   want_dx, want = tape.gradient(y, (x[2], stage.theta), dys[0])
   assert stacks.max_rel_diff(dx[0], want_dx) <= 1e-6
   assert stacks.max_rel_diff(got, want) <= 1e-6
+  return split.trace(theta, x)
+
+
+@pytest.mark.parametrize('piece', [None, 'cond', 'while', 'call'])
+def test_int_and_none_inputs_and_pieces_that_run_a_function(piece):
+  """A cond, a loop or a nested function is one op to the split: W re-runs
+  that op's backward for its weights' part."""
+  stage = _embed_stage(piece)
+  traced = _check_against_tape(stage, SplitStage(stage, _scope))
+  assert traced.split
+  assert [w.split()[0] for w in traced.whole] == {
+      None: [], 'cond': ['StatelessIf'], 'while': ['StatelessWhile'],
+      'call': ['PartitionedCall']}[piece]
+
+
+def test_fused_when_an_op_cannot_be_taken_apart(monkeypatch):
+  def _fail(op, *_):
+    raise split_graph.LocalGradError(f'{op.type} refused')
+  monkeypatch.setattr(split_graph, 'local_weight_grads', _fail)
+  stage = _embed_stage(None)
+  traced = _check_against_tape(stage, SplitStage(stage, _scope))
+  assert not traced.split and 'refused' in traced.reason
+  # kept is dθ itself: the embedding table and the FC's weights.
+  assert traced.kept_bytes == (7 * 4 + 4 * 4 + 4) * 4

@@ -16,6 +16,7 @@ from bench import plots
 from bench import report
 from bench import schedules
 from bench import slices
+from bench import split_bench
 from bench import table1
 from bench import timeline_bench
 
@@ -36,6 +37,8 @@ _SECTIONS = {
     'overheads': ('Issue 10 — overheads and tracing time', overheads),
     'timeline': ('Issue 10 — timelines of one step per schedule',
                  timeline_bench),
+    'split': ('Issue 25 — the backward split into I and W: I + W ÷ B',
+              split_bench),
 }
 NAMES = tuple(_SECTIONS)
 TITLES = tuple(title for title, _ in _SECTIONS.values())
