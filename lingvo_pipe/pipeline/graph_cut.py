@@ -26,7 +26,8 @@ class CutError(errors.LingvoPipeError):
 
 
 def cut(graph: Any, feeds: Sequence[tf.Tensor], fetches: Sequence[tf.Tensor],
-        name: str) -> Callable[..., list[tf.Tensor]]:
+        name: str, whole: graph_pb2.GraphDef | None = None
+       ) -> Callable[..., list[tf.Tensor]]:
   """The function feeds → fetches (flat lists) of a wrap_function graph.
 
   Args:
@@ -34,6 +35,7 @@ def cut(graph: Any, feeds: Sequence[tf.Tensor], fetches: Sequence[tf.Tensor],
     feeds: the new function's arguments.
     fetches: its results (a fetch may be a feed).
     name: for the new function's graph.
+    whole: `graph.as_graph_def()`, if the caller has it already.
 
   Raises:
     CutError: a fetch depends on a placeholder that is not fed.
@@ -47,7 +49,7 @@ def cut(graph: Any, feeds: Sequence[tf.Tensor], fetches: Sequence[tf.Tensor],
   if missing:
     raise CutError(f'{name}: {missing} are neither fed nor computable')
   sub = graph_pb2.GraphDef()
-  whole = graph.as_graph_def()
+  whole = whole or graph.as_graph_def()
   sub.versions.CopyFrom(whole.versions)
   sub.library.CopyFrom(whole.library)
   names = {op.name for op in body}

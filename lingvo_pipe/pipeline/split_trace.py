@@ -84,9 +84,14 @@ class Traced:
     """Bytes a kept forward leaves for its I, per micro-batch."""
     return num_bytes(self.saved_specs)
 
+  @functools.cached_property
+  def _graph_def(self) -> Any:
+    return self._g.wrapped.graph.as_graph_def()
+
   def _cut(self, feeds: list[tf.Tensor], fetches: list[tf.Tensor],
            name: str) -> Callable[..., list[tf.Tensor]]:
-    return graph_cut.cut(self._g.wrapped.graph, feeds, fetches, name)
+    return graph_cut.cut(self._g.wrapped.graph, feeds, fetches, name,
+                         self._graph_def)
 
   @functools.cached_property
   def forward(self) -> Callable[..., list[tf.Tensor]]:

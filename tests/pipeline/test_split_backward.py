@@ -96,18 +96,23 @@ def _split(stage, theta, x, side, dys, recompute):
   return dx, split.weight_grad(theta, kept, acc), y, stats
 
 
+def _fused_and_split(stage, theta, x, side, dys):
+  """(B, split) with recompute, then without: one trace in graph mode."""
+  return [(_fused(stage, theta, x, side, dys, recompute),
+           _split(stage, theta, x, side, dys, recompute))
+          for recompute in (True, False)]
+
+
 @pytest.mark.parametrize('mode', ['graph', 'eager'])
 @pytest.mark.parametrize('model', sorted(stacks.MODELS))
 def test_input_then_weight_equals_fused_backward(model, mode):
   stats = []
   for stage, x, side, dys in _stages(model):
-    theta = _theta(stage)
-    for recompute in (True, False):
-      run = [functools.partial(f, stage, theta, x, side, dys, recompute)
-             for f in (_fused, _split)]
-      if mode == 'graph':
-        run = [tf.function(f, autograph=False) for f in run]
-      want, got = run[0](), run[1]()
+    _both = functools.partial(_fused_and_split, stage, _theta(stage), x,
+                              side, dys)
+    if mode == 'graph':
+      _both = tf.function(_both, autograph=False)
+    for recompute, (want, got) in zip((True, False), _both()):
       for name, a, b in zip(('dx', 'dtheta', 'y', 'stats'), got, want):
         diff = stacks.max_rel_diff(a, b)
         assert diff <= TOL[mode], (model, side is not None, recompute, name,
