@@ -178,5 +178,24 @@ def walk(fetches: Sequence[tf.Tensor], inner: Callable[[tf.Operation], bool],
   return sorted(found.values(), key=_order), body
 
 
+# Ops whose output is their input's buffer under another shape.
+_VIEWS = frozenset({'Identity', 'Reshape', 'Squeeze', 'ExpandDims'})
+
+
+def distinct(tensors: Sequence[tf.Tensor]) -> list[tf.Tensor]:
+  """`tensors` less those that are a view of an earlier one's buffer (a
+  matmul's [B·T, D] gradient and the bias add's [B, T, D] are one)."""
+  roots: set[Ref] = set()
+  out = []
+  for t in tensors:
+    root = t
+    while root.op.type in _VIEWS and root.op.inputs:
+      root = root.op.inputs[0]
+    if root.ref() not in roots:
+      roots.add(root.ref())
+      out.append(t)
+  return out
+
+
 def _order(t: tf.Tensor) -> tuple[int, int]:
   return (t.op._id, t.value_index)  # pylint: disable=protected-access

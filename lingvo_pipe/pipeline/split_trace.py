@@ -27,6 +27,10 @@ def num_bytes(specs: list[tf.TensorSpec]) -> int:
              s.dtype.size for s in specs)
 
 
+def _specs(tensors: list[tf.Tensor]) -> list[tf.TensorSpec]:
+  return [tf.TensorSpec(t.shape, t.dtype) for t in tensors]
+
+
 @dataclasses.dataclass
 class _Graph:
   """The traced tensors, by part (filled in while tracing)."""
@@ -64,8 +68,12 @@ class Traced:
     self._g, self._kept, self._saved = g, kept, saved
     self.structures = g.structures  # 'y', 'stats', 'theta'.
     self.num_dx = len(g.dx)
-    self.kept_specs = [tf.TensorSpec(t.shape, t.dtype) for t in kept]
-    self.saved_specs = [tf.TensorSpec(t.shape, t.dtype) for t in saved]
+    self.kept_specs = _specs(kept)
+    self.saved_specs = _specs(saved)
+    # Memory: views of one buffer (a reshape of another kept tensor) count
+    # once.
+    self._kept_buffers = _specs(split_graph.distinct(kept))
+    self._saved_buffers = _specs(split_graph.distinct(saved))
     self.reason = g.reason  # Why I computes dθ too (kept holds it); ''.
     # Ops whose whole backward W re-runs (split_graph.Analysis.whole).
     self.whole = list(g.analysis.whole) if not g.reason else []
@@ -77,12 +85,12 @@ class Traced:
   @property
   def kept_bytes(self) -> int:
     """Bytes I leaves for W, per micro-batch."""
-    return num_bytes(self.kept_specs)
+    return num_bytes(self._kept_buffers)
 
   @property
   def saved_bytes(self) -> int:
     """Bytes a kept forward leaves for its I, per micro-batch."""
-    return num_bytes(self.saved_specs)
+    return num_bytes(self._saved_buffers)
 
   @functools.cached_property
   def _graph_def(self) -> Any:
@@ -136,7 +144,7 @@ def _trace_forward(stage: Stage, scope: Callable[..., Any], g: _Graph,
     y = stage.fprop(theta, x) if side is None else stage.fprop(theta, x, side)
   g.parts['F'] = set(_ops_since(graph, first))
   g.structures.update(y=y, stats=collector.stats)
-  g.y = [t for t in tf.nest.flatten(y)]
+  g.y = list(tf.nest.flatten(y))
   g.stats = tf.nest.flatten(collector.stats)
   g.analysis = split_graph.analyse(_ops_since(graph, first), g.theta)
   return float_leaves(y)
@@ -151,9 +159,10 @@ def _trace_input_grad(g: _Graph, y_float: list[tf.Tensor]
            for t in y_float]
   x_float = [t for t in g.x if differentiable(t)]
   outs = [(op, i, t) for op in g.analysis.mixing
-          for i, t in enumerate(op.outputs) if t.dtype.is_floating]
+          for i, t in enumerate(op.outputs) if t.dtype.is_floating
+          ] if not g.reason else []
   sources = x_float + [t for _, _, t in outs]
-  if g.reason:
+  if g.reason:  # Fused: dθ here, with dx.
     sources += g.theta
   grads = tf.gradients(y_float, sources, grad_ys=g.dys) if y_float else [
       None] * len(sources)
@@ -163,7 +172,7 @@ def _trace_input_grad(g: _Graph, y_float: list[tf.Tensor]
   for (op, i, _), d in zip(outs, grads[len(x_float):]):
     if d is not None:
       dz.setdefault(op, {})[i] = d
-  if g.reason:  # Fused: I's dθ, for W to add.
+  if g.reason:  # For W to add.
     g.dtheta = [split_graph.zeros(t) if d is None else tf.convert_to_tensor(d)
                 for t, d in zip(g.theta, grads[len(sources) - len(g.theta):])]
   g.parts['I'] = set(_ops_since(graph, first))

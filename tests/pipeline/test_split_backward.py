@@ -17,6 +17,7 @@ import pipeline_stacks as stacks
 from lingvo_pipe.core import fprop_context
 from lingvo_pipe.layers import embedding
 from lingvo_pipe.layers import linear
+from lingvo_pipe.layers import transformer
 from lingvo_pipe.pipeline import engine
 from lingvo_pipe.pipeline import split_graph
 from lingvo_pipe.pipeline import stage_ops
@@ -194,6 +195,20 @@ def test_kept_bytes_of_an_mlp():
   # The forward saves each ReLU's output (ReluGrad) and the first input.
   assert traced.saved_bytes == (layers + 1) * batch * width * 4
   assert num_bytes(traced.kept_specs) == traced.kept_bytes
+
+
+def test_kept_bytes_of_a_transformer_layer():
+  """Per pre-LN encoder layer ([B, T, D] in, hidden H), W reads: each layer
+  norm's normalised input and dz (2 × 2·BTD); attention's shared input,
+  dz at q, k, v, the context and dz at the projection out (6·BTD); the
+  feed-forward's two matmul inputs and dzs (2·BTD + 2·BTH). A bias add's
+  dz is its matmul's (a reshape of one buffer counts once)."""
+  b, t, d, h = 4, 5, 8, 16
+  p = transformer.TransformerEncoderLayer.Params().Set(
+      name='enc', input_dim=d, num_heads=2, hidden_dim=h,
+      residual_dropout_prob=0.1)
+  kept, _ = layer_bytes(p, [tf.TensorSpec([b, t, d]), tf.TensorSpec([b, t])])
+  assert kept == (12 * b * t * d + 2 * b * t * h) * 4
 
 
 def test_layer_bytes_add_up_to_the_stage():
