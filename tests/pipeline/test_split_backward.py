@@ -21,7 +21,8 @@ from lingvo_pipe.layers import transformer
 from lingvo_pipe.pipeline import engine
 from lingvo_pipe.pipeline import split_graph
 from lingvo_pipe.pipeline import stage_ops
-from lingvo_pipe.pipeline.split_backward import SplitStage, layer_bytes
+from lingvo_pipe.pipeline.split_backward import SplitError, SplitStage
+from lingvo_pipe.pipeline.split_backward import layer_bytes
 from lingvo_pipe.pipeline.split_backward import num_bytes
 from lingvo_pipe.pipeline.stage_ops import Stage
 
@@ -195,6 +196,14 @@ def test_kept_bytes_of_an_mlp():
   # The forward saves each ReLU's output (ReluGrad) and the first input.
   assert traced.saved_bytes == (layers + 1) * batch * width * 4
   assert num_bytes(traced.kept_specs) == traced.kept_bytes
+  # Two signatures traced: W must be told which.
+  x = (tf.ones([2, width]),)
+  _, kept = split.input_grad(stage.theta, x, None, [tf.ones([2, width])], 0,
+                             STEP)
+  with pytest.raises(SplitError, match='pass x'):
+    split.weight_grad(stage.theta, kept)
+  assert split.weight_grad(stage.theta, kept, x=x)[0].w.shape == (width,
+                                                                  width)
 
 
 def test_kept_bytes_of_a_transformer_layer():
