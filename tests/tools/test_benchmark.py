@@ -60,6 +60,8 @@ _EXPECTED = {
                   'tracing time M=64 ÷ M=8, FPropLoss 1f1b'],
     'timeline': ['timeline_k2_m8.png', 'timeline_k2_m8.trace.json',
                  'most micro-batches held per stage'],
+    'split': ['| network | F | B (R+B) | I (R+I) | W | I + W ÷ B',
+              'I + W ÷ B, mlp_16x512', '| network | B | F+B kept | I |'],
 }
 _FILES = {'table1': ['table1.png'], 'schedules': ['schedules_memory.png'],
           'fidelity': ['fidelity.png'],

@@ -82,11 +82,11 @@ def _conv_bn(tiny: bool) -> tuple[Any, Any, list[tf.TensorShape]]:
 
 
 def _transformer(tiny: bool) -> tuple[Any, Any, list[tf.TensorShape]]:
-  batch, length, dim = (2, 4, 8) if tiny else (16, 32, 128)
+  batch, length, dim, n = (2, 4, 8, 1) if tiny else (16, 32, 128, 4)
   fprop, theta = _sequential([
       transformer.TransformerEncoderLayer.Params().Set(
-          name=f'enc{i}', input_dim=dim, num_heads=4 if dim % 4 == 0 else 1,
-          hidden_dim=4 * dim, residual_dropout_prob=0.1) for i in range(4)])
+          name=f'enc{i}', input_dim=dim, num_heads=4, hidden_dim=4 * dim,
+          residual_dropout_prob=0.1) for i in range(n)])
   return fprop, theta, [[batch, length, dim], [batch, length]]
 
 
