@@ -20,11 +20,12 @@ Under unit costs (F = I = W = 1; 1F1B's B = 2), K devices, M ≥ K:
   zb_v      2K      3M + (K-1)/2  (K-1)/2 (1F1B's/6)  ≤ 2K chunks = K stages'
 
 (ZB-V's costs are in full-stage units: each of its 2K chunks holds half a
-stage.) The step cannot be shorter than device K-1's first input arriving
-plus its work, so zb_v is optimal in this model; the paper's "zero" counts
-that start-up skew as free (its optimizer step runs unsynchronised). ZB-H2
-(more memory) is not built: with one synchronous update per step it has
-zb_h1's step under unit costs. For M < K both still run, with more idle.
+stage.) No step can be shorter than device K-1's first input arriving plus
+its work, and both reach that bound in this model; the paper's "zero"
+counts that start-up skew as free (its optimizer step runs
+unsynchronised). So ZB-H2 (more memory) is not built: with one
+synchronous update per step it has zb_h1's step under unit costs. Any
+K ≥ 1 and M ≥ 1 run; for M < K with more idle.
 
 >>> print(zb_h1(2, 3).to_text())
 d0: F0.0 F0.1 I0.0 W0.0 F0.2 I0.1 W0.1 I0.2 W0.2
