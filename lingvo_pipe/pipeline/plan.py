@@ -362,7 +362,7 @@ def make_plan(p: Any, where: str, profile_inputs: Any = None) -> Plan:
     raise PlanError(f'{where}: loop_steady_state={p.loop_steady_state!r}; '
                     'use True (loop over the steady state) or False (emit '
                     'every op).')
-  chunks = p.virtual_stages_per_device if p.schedule == 'interleaved' else 1
+  chunks = schedule_lib.chunks_of(p.schedule, p.virtual_stages_per_device)
   if written is not None:
     chunks = written.num_stages // max(1, written.num_devices)
   if not isinstance(chunks, int) or chunks < 1:

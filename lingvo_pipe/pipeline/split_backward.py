@@ -18,6 +18,7 @@ the graph is cut):
     cut that graph into functions that read only what they need:
       forward(θ, x, side, m, step)         → y, stats, saved
       input_grad(θ, x, side, dy, m, step)  → dx, kept     (recomputes)
+      recompute(θ, x, side, m, step)       → saved        (I's R)
       input_grad_saved(θ, saved, dy)       → dx, kept     (after forward)
       weight_grad(θ, kept[, acc])          → acc + dθ
 
@@ -49,7 +50,8 @@ from lingvo_pipe.core import fprop_context
 from lingvo_pipe.core.fprop_context import StatsCollector
 from lingvo_pipe.pipeline import split_trace
 from lingvo_pipe.pipeline.split_trace import Traced, num_bytes
-from lingvo_pipe.pipeline.stage_ops import Stage, chained
+from lingvo_pipe.pipeline.dependency import chained
+from lingvo_pipe.pipeline.stage import Stage
 
 __all__ = ['SplitError', 'SplitStage', 'Traced', 'layer_bytes', 'num_bytes']
 
@@ -126,17 +128,24 @@ class SplitStage:
     traced = self.trace(theta, x, side)
     if not tf.executing_eagerly():
       # The recompute waits for the incoming gradient, or Grappler merges
-      # it with the forward and the activations stay alive (stage_ops.py).
+      # it with the forward and the activations stay alive (dependency.py).
       x = chained(x, list(dys))
     out = traced.input_grad(*_args(theta, x, side, m, step), *dys)
     return out[:traced.num_dx], out[traced.num_dx:]
+
+  def recompute(self, theta: Any, x: Any, side: Any, m: Any, step: Any
+               ) -> list[tf.Tensor]:
+    """The forward again, keeping only what I needs: saved."""
+    traced = self.trace(theta, x, side)
+    return traced.recompute(*_args(theta, x, side, m, step))
 
   def input_grad_saved(self, theta: Any, x: Any, side: Any,
                        saved: list[tf.Tensor], dys: list[tf.Tensor]
                       ) -> tuple[list[tf.Tensor], list[tf.Tensor]]:
     """I after `forward`: dx, kept. x and side pick the trace (tensors or
-    specs: I reads only saved)."""
-    traced = self.trace(theta, x, side)
+    specs: I reads only saved); None: the trace whose saved `saved` is."""
+    traced = (self.trace(theta, x, side) if x is not None else
+              self.traced_for(saved, 'saved_specs'))
     out = traced.input_grad_saved(*tf.nest.flatten(theta), *saved, *dys)
     return out[:traced.num_dx], out[traced.num_dx:]
 
@@ -145,7 +154,7 @@ class SplitStage:
     """W: acc + dθ (dθ if acc is None), structured like theta. x and side
     pick the trace when this stage was traced for several signatures."""
     traced = (self.trace(theta, x, side) if x is not None else
-              self._only_trace())
+              self.traced_for(kept, 'kept_specs'))
     flat_theta = tf.nest.flatten(theta)
     if acc is None:
       out = traced.weight_grad_first(*flat_theta, *kept)
@@ -153,11 +162,18 @@ class SplitStage:
       out = traced.weight_grad(*flat_theta, *kept, *tf.nest.flatten(acc))
     return tf.nest.pack_sequence_as(theta, out)
 
-  def _only_trace(self) -> Traced:
-    if len(self._traces) != 1:
-      raise SplitError(f'{len(self._traces)} signatures traced for this '
-                       'stage: pass x (and side) to weight_grad to pick one.')
-    return next(iter(self._traces.values()))
+  def traced_for(self, values: list[tf.Tensor], specs: str) -> Traced:
+    """The one trace whose `specs` ('saved_specs', 'kept_specs') `values`
+    match: what a step's I and W read carries no x to pick it by."""
+    found = [t for t in self._traces.values()
+             if len(getattr(t, specs)) == len(values) and all(
+                 s.is_compatible_with(v)
+                 for s, v in zip(getattr(t, specs), values))]
+    if len(found) != 1:
+      raise SplitError(f'{len(found)} of the {len(self._traces)} signatures '
+                       'traced for this stage match these values: pass x '
+                       '(and side) to pick one.')
+    return found[0]
 
 
 def layer_bytes(params: Any, input_specs: Sequence[Any]) -> tuple[int, int]:

@@ -18,7 +18,7 @@ import tensorflow as tf
 from lingvo_pipe.core.fprop_context import StatsCollector
 from lingvo_pipe.pipeline import graph_cut
 from lingvo_pipe.pipeline import split_graph
-from lingvo_pipe.pipeline.stage_ops import Stage, differentiable, float_leaves
+from lingvo_pipe.pipeline.stage import Stage, differentiable, float_leaves
 
 
 def num_bytes(specs: list[tf.TensorSpec]) -> int:
@@ -57,6 +57,7 @@ class Traced:
 
   Each piece takes and returns flat lists of tensors:
     forward(θ, x, side, m, step) → y, stats, saved
+    recompute(θ, x, side, m, step) → saved
     input_grad(θ, x, side, m, step, dy) → dx, kept
     input_grad_saved(θ, saved, dy) → dx, kept
     weight_grad(θ, kept, acc) → acc + dθ;  weight_grad_first(θ, kept) → dθ
@@ -66,7 +67,7 @@ class Traced:
   def __init__(self, g: _Graph, kept: list[tf.Tensor],
                saved: list[tf.Tensor]) -> None:
     self._g, self._kept, self._saved = g, kept, saved
-    self.structures = g.structures  # 'y', 'stats', 'theta'.
+    self.structures = g.structures  # 'y', 'stats', 'theta', 'x' (specs).
     self.num_dx = len(g.dx)
     self.kept_specs = _specs(kept)
     self.saved_specs = _specs(saved)
@@ -105,6 +106,12 @@ class Traced:
   def forward(self) -> Callable[..., list[tf.Tensor]]:
     g = self._g
     return self._cut(g.inputs, g.y + g.stats + self._saved, 'forward')
+
+  @functools.cached_property
+  def recompute(self) -> Callable[..., list[tf.Tensor]]:
+    """The forward again, for I only: saved (no outputs, no statistics)."""
+    g = self._g
+    return self._cut(g.inputs, self._saved, 'recompute')
 
   @functools.cached_property
   def input_grad(self) -> Callable[..., list[tf.Tensor]]:
@@ -234,6 +241,7 @@ def _trace_graph(stage: Stage, scope: Callable[..., Any], structures: tuple,
 
   g.wrapped = tf.compat.v1.wrap_function(_fn, specs)
   g.structures['theta'] = theta
+  g.structures['x'] = _pack(x, [tf.TensorSpec(t.shape, t.dtype) for t in g.x])
   return g
 
 

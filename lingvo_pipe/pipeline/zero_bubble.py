@@ -1,16 +1,17 @@
-"""Zero-bubble schedules (Qi et al., ICLR 2024) as data: ZB-H1 and ZB-V.
+"""Zero-bubble schedules (Qi et al., ICLR 2024): ZB-H1 and ZB-V.
 
 A backward split into I (the input gradient, which the previous stage
 waits for) and W (the weight gradients, which nothing waits for) lets W
-fill the slots where 1F1B idles. Each builder returns, per device, the
-actions it runs in order, and the stage → device map (ZB-V's is not
-round-robin, so the map is part of the schedule):
+fill the slots where 1F1B idles. Each builder returns a `Schedule`: per
+device, the actions it runs in order, and the stage → device map (ZB-V's
+is a V, not round-robin: the map is part of the schedule, and every
+reader — plan, gpipe, simulator, memory — takes it from there):
 
   F(s, m)  forward of micro-batch m on stage s; waits for F(s-1, m)
-  R(s, m)  recompute before I (recompute policies as in schedule.py)
+  R(s, m)  recompute, directly before I (recompute policies as in
+           schedule.py)
   I(s, m)  input gradient; waits for I(s+1, m) (last stage: its own F)
   W(s, m)  weight gradients; waits for I(s, m)
-  B(s, m)  I and W fused (`fuse_adjacent`: stage 0, where W follows I)
 
 Under unit costs (F = I = W = 1; 1F1B's B = 2), K devices, M ≥ K:
 
@@ -27,57 +28,28 @@ unsynchronised). So ZB-H2 (more memory) is not built: with one
 synchronous update per step it has zb_h1's step under unit costs. Any
 K ≥ 1 and M ≥ 1 run; for M < K with more idle.
 
+Stage 0's W could be fused with its I into one B (its dx goes nowhere
+that waits), but a fused B from a kept forward needs the forward's tape,
+which cannot cross a loop iteration; split, what I reads is plain values
+and the steady state loops.
+
 >>> print(zb_h1(2, 3).to_text())
-d0: F0.0 F0.1 I0.0 W0.0 F0.2 I0.1 W0.1 I0.2 W0.2
-d1: F1.0 I1.0 F1.1 I1.1 W1.0 F1.2 I1.2 W1.1 W1.2
+# zb_h1: 2 devices, 2 stages, M=3
+device 0: F0 F1 I0 W0 F2 I1 W1 I2 W2
+device 1: F0 I0 F1 I1 W0 F2 I2 W1 W2
 """
 
 from __future__ import annotations
 
 import collections
-import dataclasses
-from typing import NamedTuple, Sequence
+from typing import Sequence
 
 from lingvo_pipe.pipeline import schedule as schedule_lib
+from lingvo_pipe.pipeline.actions import Action, Schedule, ScheduleError
 
-__all__ = ['Action', 'ZeroBubbleSchedule', 'ZERO_BUBBLE_SCHEDULES',
-           'fuse_adjacent', 'make_zero_bubble', 'zb_h1', 'zb_v']
+__all__ = ['ZERO_BUBBLE_SCHEDULES', 'v_stage_devices', 'zb_h1', 'zb_v']
 
 ZERO_BUBBLE_SCHEDULES = ('zb_h1', 'zb_v')
-ScheduleError = schedule_lib.ScheduleError
-
-
-class Action(NamedTuple):
-  """One op of a device: kind F, R, I, W or B of micro-batch m of a stage."""
-  kind: str
-  stage: int
-  micro_batch: int
-
-  def __str__(self) -> str:
-    return f'{self.kind}{self.stage}.{self.micro_batch}'
-
-
-@dataclasses.dataclass(frozen=True)
-class ZeroBubbleSchedule:
-  """Per-device action lists and the stage → device map."""
-  name: str
-  actions: tuple[tuple[Action, ...], ...]
-  stage_device: tuple[int, ...]
-  num_micro_batches: int
-  recompute: str
-
-  @property
-  def num_devices(self) -> int:
-    return len(self.actions)
-
-  @property
-  def num_stages(self) -> int:
-    return len(self.stage_device)
-
-  def to_text(self) -> str:
-    """One line per device: 'd0: F0.0 F0.1 I0.0 …' (kind, stage.m)."""
-    return '\n'.join(f'd{d}: ' + ' '.join(map(str, acts))
-                     for d, acts in enumerate(self.actions))
 
 
 def _check(k: int, m: int, recompute: str) -> None:
@@ -89,8 +61,14 @@ def _check(k: int, m: int, recompute: str) -> None:
                         f'{schedule_lib.RECOMPUTE_POLICIES}.')
 
 
+def v_stage_devices(num_devices: int) -> tuple[int, ...]:
+  """ZB-V's placement: 2K stages, device d holding stages d and 2K-1-d."""
+  k = num_devices
+  return tuple(s if s < k else 2 * k - 1 - s for s in range(2 * k))
+
+
 def zb_h1(num_devices: int, num_micro_batches: int,
-          recompute: str = 'never') -> ZeroBubbleSchedule:
+          recompute: str = 'never') -> Schedule:
   """ZB-H1: 1F1B's order of F and I, each device's W delayed to fill the
   cool-down.
 
@@ -106,24 +84,24 @@ def zb_h1(num_devices: int, num_micro_batches: int,
   out = []
   for d in range(k):
     warmup = min(k - d - 1, m_total)
-    acts = [Action('F', d, m) for m in range(warmup)]
+    acts = [Action('F', m, d) for m in range(warmup)]
     waiting: collections.deque[int] = collections.deque()
     forwards = warmup
     for m in range(m_total):
       if forwards < m_total:
-        acts.append(Action('F', d, forwards))
+        acts.append(Action('F', forwards, d))
         forwards += 1
-      acts.append(Action('I', d, m))
+      acts.append(Action('I', m, d))
       waiting.append(m)
       if len(waiting) > d or forwards == m_total:
-        acts.append(Action('W', d, waiting.popleft()))
-    acts += [Action('W', d, m) for m in waiting]
+        acts.append(Action('W', waiting.popleft(), d))
+    acts += [Action('W', m, d) for m in waiting]
     out.append(acts)
   return _finish('zb_h1', out, tuple(range(k)), m_total, recompute)
 
 
 def zb_v(num_devices: int, num_micro_batches: int,
-         recompute: str = 'never') -> ZeroBubbleSchedule:
+         recompute: str = 'never') -> Schedule:
   """ZB-V: 2K stages in a V, device d holding stages d and 2K-1-d.
 
   Device 0 holds the first stage and the last (the loss), so a
@@ -137,16 +115,16 @@ def zb_v(num_devices: int, num_micro_batches: int,
   """
   k, m_total = num_devices, num_micro_batches
   _check(k, m_total, recompute)
-  stage_device = tuple(s if s < k else 2 * k - 1 - s for s in range(2 * k))
-  out = _greedy(stage_device, k, m_total, alive_limit=2 * k)
-  return _finish('zb_v', out, stage_device, m_total, recompute)
+  stage_devices = v_stage_devices(k)
+  out = _greedy(stage_devices, k, m_total, alive_limit=2 * k)
+  return _finish('zb_v', out, stage_devices, m_total, recompute)
 
 
-def _greedy(stage_device: Sequence[int], k: int, m_total: int,
+def _greedy(stage_devices: Sequence[int], k: int, m_total: int,
             alive_limit: int) -> list[list[Action]]:
   """Per-device orders from a unit-cost list scheduler (see `zb_v`)."""
-  n = len(stage_device)
-  own = [[s for s in reversed(range(n)) if stage_device[s] == d]
+  n = len(stage_devices)
+  own = [[s for s in reversed(range(n)) if stage_devices[s] == d]
          for d in range(k)]  # Later stages first: nearer the loss.
   done: dict[Action, int] = {}  # Tick at which each action has finished.
   next_f, next_i = [0] * n, [0] * n
@@ -162,13 +140,13 @@ def _greedy(stage_device: Sequence[int], k: int, m_total: int,
   while left:
     ran = False
     for d in range(k):
-      inputs = [Action('I', s, next_i[s]) for s in own[d]
+      inputs = [Action('I', next_i[s], s) for s in own[d]
                 if next_i[s] < m_total and _ready(
-                    Action('I', s + 1, next_i[s]) if s < n - 1 else
-                    Action('F', s, next_i[s]))]
-      forwards = [Action('F', s, next_f[s]) for s in own[d]
+                    Action('I', next_i[s], s + 1) if s < n - 1 else
+                    Action('F', next_i[s], s))]
+      forwards = [Action('F', next_f[s], s) for s in own[d]
                   if next_f[s] < m_total and alive[d] < alive_limit and
-                  _ready(Action('F', s - 1, next_f[s]) if s else None)]
+                  _ready(Action('F', next_f[s], s - 1) if s else None)]
       ready = inputs or forwards or list(waiting[d])[:1]
       if not ready:
         continue
@@ -182,7 +160,7 @@ def _greedy(stage_device: Sequence[int], k: int, m_total: int,
         alive[d] += 1
       elif act.kind == 'I':
         next_i[act.stage] += 1
-        waiting[d].append(Action('W', act.stage, act.micro_batch))
+        waiting[d].append(Action('W', act.micro_batch, act.stage))
       else:
         waiting[d].popleft()
         alive[d] -= 1
@@ -193,66 +171,25 @@ def _greedy(stage_device: Sequence[int], k: int, m_total: int,
   return out
 
 
-def _with_recompute(acts: list[Action], num_stages: int,
-                    recompute: str) -> list[Action]:
-  """R(s, m) before each I(s, m) of a recomputing stage; 'needed' leaves
-  out an R that would directly follow its own F (schedule.py says why)."""
-  out: list[Action] = []
-  for act in acts:
-    # pylint: disable-next=protected-access
-    if act.kind == 'I' and schedule_lib._recomputes(act.stage, num_stages,
-                                                    recompute):
-      if not (recompute == 'needed' and out and
-              out[-1] == Action('F', act.stage, act.micro_batch)):
-        out.append(Action('R', act.stage, act.micro_batch))
-    out.append(act)
-  return out
-
-
 def _finish(name: str, per_device: list[list[Action]],
-            stage_device: tuple[int, ...], m_total: int,
-            recompute: str) -> ZeroBubbleSchedule:
-  n = len(stage_device)
-  per_device = [_with_recompute(acts, n, recompute) for acts in per_device]
+            stage_devices: tuple[int, ...], m_total: int,
+            recompute: str) -> Schedule:
+  """R before each I of a recomputing stage ('needed' then drops an R
+  that directly follows its own F: `schedule.build`), checked."""
+  n = len(stage_devices)
+  with_r = []
   for d, acts in enumerate(per_device):
     want = collections.Counter(
-        Action(kind, s, m) for s in range(n) if stage_device[s] == d
+        Action(kind, m, s) for s in range(n) if stage_devices[s] == d
         for m in range(m_total) for kind in 'FIW')
-    got = collections.Counter(a for a in acts if a.kind != 'R')
-    if got != want:  # A builder's bug, never the caller's.
-      raise ScheduleError(f'{name}: device {d} runs {sorted(map(str, got))}'
-                          f', not F, I, W of each micro-batch once.')
-  return ZeroBubbleSchedule(name, tuple(tuple(a) for a in per_device),
-                            stage_device, m_total, recompute)
-
-
-def fuse_adjacent(schedule: ZeroBubbleSchedule) -> ZeroBubbleSchedule:
-  """B(0, m) wherever W(0, m) directly follows I(0, m): one op instead of
-  two, and nothing kept between them.
-
-  Stage 0 only: its input gradient goes to no other stage. Elsewhere a
-  fused op hands its dx upstream only once its dθ exists too, and the
-  stage before waits for W (a unit-cost ZB-V step at K=3, M=6: 40 ticks
-  instead of 38).
-  """
-  per_device = []
-  for acts in schedule.actions:
-    out: list[Action] = []
-    for act in acts:
-      if (act.kind == 'W' and act.stage == 0 and out and
-          out[-1] == Action('I', act.stage, act.micro_batch)):
-        out[-1] = Action('B', act.stage, act.micro_batch)
-      else:
-        out.append(act)
-    per_device.append(tuple(out))
-  return dataclasses.replace(schedule, actions=tuple(per_device))
-
-
-def make_zero_bubble(name: str, num_devices: int, num_micro_batches: int,
-                     recompute: str = 'never') -> ZeroBubbleSchedule:
-  """The zero-bubble schedule called `name` (ZERO_BUBBLE_SCHEDULES)."""
-  builders = {'zb_h1': zb_h1, 'zb_v': zb_v}
-  if name not in builders:
-    raise ScheduleError(f'schedule={name!r} is not one of '
-                        f'{ZERO_BUBBLE_SCHEDULES}.')
-  return builders[name](num_devices, num_micro_batches, recompute)
+    if collections.Counter(acts) != want:  # A builder's bug, never the
+      raise ScheduleError(  # caller's.
+          f'{name}: device {d} runs {sorted(map(str, acts))}, not F, I, W '
+          'of each micro-batch once.')
+    ops: list[Action] = []
+    for a in acts:
+      if a.kind == 'I' and schedule_lib.recomputes(a.stage, n, recompute):
+        ops.append(Action('R', a.micro_batch, a.stage))
+      ops.append(a)
+    with_r.append(ops)
+  return schedule_lib.build(name, with_r, m_total, recompute, stage_devices)

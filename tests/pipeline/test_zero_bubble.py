@@ -1,34 +1,34 @@
 """Zero-bubble schedules checked by a unit-cost event simulation of their
-own: every action waits for its device and its data, nothing deadlocks,
-the step and the memory in flight are the paper's."""
-
-import collections
+own (not `actions.run_times`, which derives waits from the schedule's
+declarations): every action waits for its device and its data, nothing
+deadlocks, the step and the memory in flight are the paper's."""
 
 import pytest
 
 from lingvo_pipe.pipeline import schedule as schedule_lib
+from lingvo_pipe.pipeline import schedule_text
 from lingvo_pipe.pipeline import zero_bubble
-from lingvo_pipe.pipeline.zero_bubble import Action
+from lingvo_pipe.pipeline.actions import Action, ScheduleError
 
 KS, MS = (1, 2, 3, 4, 8), (1, 2, 3, 4, 8, 16)
 
 
 def _inputs(act, stage_device, rebuilt):
   """What `act` waits for (besides its device's previous action)."""
-  kind, s, m = act
+  kind, m, s = act
   last = len(stage_device) - 1
-  grad = [('F', s, m)] if s == last else [('I', s + 1, m), ('B', s + 1, m)]
-  own = [('R', s, m)] if (s, m) in rebuilt else [('F', s, m)]
-  return {'F': [[('F', s - 1, m)]] if s else [],
-          'R': [[('F', s, m)], grad],
-          'I': [own, grad], 'B': [own, grad],
-          'W': [[('I', s, m)]]}[kind]
+  grad = [('F', m, s)] if s == last else [('I', m, s + 1)]
+  own = [('R', m, s)] if (s, m) in rebuilt else [('F', m, s)]
+  return {'F': [[('F', m, s - 1)]] if s else [],
+          'R': [[('F', m, s)], grad],
+          'I': [own, grad],
+          'W': [[('I', m, s)]]}[kind]
 
 
 def simulate(sched, cost=lambda kind: 1):
   """(start, end) of every action: each device runs its list in order, an
   action starts when its device is free and one of each group of its
-  inputs is done (a gradient comes from I or, fused, B)."""
+  inputs is done."""
   rebuilt = {(a.stage, a.micro_batch) for acts in sched.actions
              for a in acts if a.kind == 'R'}
   times, free, pos = {}, [0] * sched.num_devices, [0] * sched.num_devices
@@ -37,8 +37,8 @@ def simulate(sched, cost=lambda kind: 1):
     for d, acts in enumerate(sched.actions):
       while pos[d] < len(acts):
         act = acts[pos[d]]
-        assert sched.stage_device[act.stage] == d, (act, d)
-        groups = _inputs(act, sched.stage_device, rebuilt)
+        assert sched.stage_devices[act.stage] == d, (act, d)
+        groups = _inputs(act, sched.stage_devices, rebuilt)
         ends = [min(times[i][1] for i in g if i in times) for g in groups
                 if any(i in times for i in g)]
         if len(ends) < len(groups):
@@ -63,7 +63,7 @@ def _peak(sched, times, start_kind, end_kind):
     for a in acts:
       if a.kind == start_kind:
         events.append((times[a][0], 1))
-      if a.kind == end_kind or (a.kind == 'B' and end_kind in 'IW'):
+      if a.kind == end_kind:
         events.append((times[a][1], -1))
     level = peak = 0
     for _, delta in sorted(events, key=lambda e: (e[0], e[1])):
@@ -83,7 +83,7 @@ def _one_f_one_b_step(k, m):
 def test_zb_h1_step_and_memory(k):
   for m in MS:
     sched = zero_bubble.zb_h1(k, m)
-    assert sched.stage_device == tuple(range(k))
+    assert sched.stage_devices == tuple(range(k))
     times = simulate(sched)
     one_f_one_b = _one_f_one_b_step(k, m)
     if m >= k:  # ZB-H1: idle (K-1)(F + I - W), a third of 1F1B's 3(K-1).
@@ -99,8 +99,9 @@ def test_zb_h1_step_and_memory(k):
 def test_zb_v_step_and_memory(k):
   for m in MS:
     sched = zero_bubble.zb_v(k, m)
-    assert sched.stage_device == tuple(list(range(k)) +
-                                       list(reversed(range(k))))
+    assert sched.stage_devices == tuple(list(range(k)) +
+                                        list(reversed(range(k))))
+    assert schedule_lib.stage_devices('zb_v', k) == sched.stage_devices
     times = simulate(sched)  # Costs per chunk (half a stage): 1 each.
     if m >= k:  # Device K-1's start-up alone: 1F1B's idle ÷ 6.
       assert _step(times) - 6 * m == k - 1
@@ -119,13 +120,13 @@ def test_zb_v_bubble_vanishes_with_m():
 @pytest.mark.parametrize('recompute', schedule_lib.RECOMPUTE_POLICIES)
 def test_recompute_policies(name, recompute):
   for k, m in ((1, 1), (2, 3), (3, 8)):
-    sched = zero_bubble.make_zero_bubble(name, k, m, recompute)
+    sched = schedule_lib.make_schedule(name, k, m, recompute)
     last = sched.num_stages - 1
     for acts in sched.actions:
       for i, a in enumerate(acts):
         if a.kind == 'R':  # Right before its I.
-          assert acts[i + 1] == Action('I', a.stage, a.micro_batch)
-          assert acts[i - 1:i] != [Action('F', a.stage, a.micro_batch)] or (
+          assert acts[i + 1] == Action('I', a.micro_batch, a.stage)
+          assert acts[i - 1:i] != [Action('F', a.micro_batch, a.stage)] or (
               recompute != 'needed')
       rs = [a for a in acts if a.kind == 'R']
       want = {'never': 0, 'except_last': None}.get(recompute)
@@ -140,27 +141,24 @@ def test_recompute_policies(name, recompute):
 
 
 @pytest.mark.parametrize('name', zero_bubble.ZERO_BUBBLE_SCHEDULES)
-def test_fuse_adjacent(name):
-  sched = zero_bubble.make_zero_bubble(name, 3, 6)
-  fused = zero_bubble.fuse_adjacent(sched)
-  total = 0
-  for acts, fused_acts in zip(sched.actions, fused.actions):
-    pairs = sum(a == Action('I', 0, a.micro_batch) and
-                b == Action('W', 0, a.micro_batch)
-                for a, b in zip(acts, acts[1:]))
-    kinds = collections.Counter(a.kind for a in fused_acts)
-    assert kinds['B'] == pairs and len(fused_acts) == len(acts) - pairs
-    total += pairs
-  assert total
-  # Stage 0's dx goes nowhere, so fusing its I and W delays nothing.
-  cost = lambda kind: 2 if kind == 'B' else 1
-  assert _step(simulate(fused, cost)) == _step(simulate(sched))
+def test_by_name_and_as_text(name):
+  """Built by name, the schedule is data like the others: its text reads
+  back to the same actions and V placement, and the validator passes it."""
+  sched = schedule_lib.make_schedule(name, 3, 6, 'except_last')
+  assert name in schedule_lib.SCHEDULES
+  again = schedule_lib.make_schedule(sched.to_text(), 3, 6)
+  assert again.actions == sched.actions
+  assert again.stage_devices == sched.stage_devices
+  assert schedule_text.validate(sched) == 6
+  # Every stage's backward is split, and each I's gradient goes upstream.
+  assert all(sched.splits(s, m) for s in range(sched.num_stages)
+             for m in range(6))
 
 
 def test_bad_arguments():
-  with pytest.raises(zero_bubble.ScheduleError, match='zb_h1'):
-    zero_bubble.make_zero_bubble('zb_h2', 2, 4)
-  with pytest.raises(zero_bubble.ScheduleError, match='num_micro_batches'):
+  with pytest.raises(ScheduleError, match='zb_h1'):
+    schedule_lib.make_schedule('zb_h2', 2, 4)
+  with pytest.raises(ScheduleError, match='num_micro_batches'):
     zero_bubble.zb_v(2, 0)
-  with pytest.raises(zero_bubble.ScheduleError, match='recompute'):
+  with pytest.raises(ScheduleError, match='recompute'):
     zero_bubble.zb_h1(2, 4, 'sometimes')

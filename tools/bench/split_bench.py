@@ -7,8 +7,8 @@ this process on one core with single-threaded TF (as a stage process
 runs), graph mode, each op its own `tf.function` call, the calls
 alternating (B, I, W, B, I, W, ...) and summarised by medians:
 
-* with recompute: B = stage_ops' R+B body; I recomputes the forward too.
-* without: F under a tape + B from that tape (one call, as stage_ops runs a
+* with recompute: B = stage.py's R+B body; I recomputes the forward too.
+* without: F under a tape + B from that tape (one call, as stage.py runs a
   kept stage) against F keeping `saved`, then I, then W (three calls).
 
 The four networks: the three test stacks of tests/pipeline_stacks.py
@@ -35,9 +35,9 @@ from lingvo_pipe.layers import normalization
 from lingvo_pipe.layers import pooling
 from lingvo_pipe.layers import shape
 from lingvo_pipe.layers import transformer
-from lingvo_pipe.pipeline import stage_ops
+from lingvo_pipe.pipeline import stage as stage_lib
 from lingvo_pipe.pipeline.split_backward import SplitStage, Traced
-from lingvo_pipe.pipeline.stage_ops import Stage
+from lingvo_pipe.pipeline.stage import Stage
 
 TARGET = 1.1  # I + W ÷ B (the issue asks for about 1.0–1.1).
 _FIRST = ['B', 'F+B kept', 'I', 'W', 'F saving', 'I saved']
@@ -125,10 +125,10 @@ def _calls(fprop: Any, theta: Any, shapes: list[Any]
   with _scope(0, None, 0):
     y = fprop(theta, x)
   dys = [tf.random.stateless_normal(t.shape, seed=[9, 2], dtype=t.dtype)
-         for t in stage_ops.float_leaves(y)]
+         for t in stage_lib.float_leaves(y)]
   acc = tf.nest.map_structure(tf.zeros_like, theta)
   m, step = tf.constant(0), tf.constant(0, tf.int64)
-  ops = stage_ops.StageOps(stage, _scope, stage_ops.Clock(False))
+  ops = stage_lib.StageBodies(stage, _scope, stage_lib.Clock(False))
   split = SplitStage(stage, _scope)
   calls: dict[str, Callable[[], Any]] = {}
   first: dict[str, float] = {}
