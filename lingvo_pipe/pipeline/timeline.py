@@ -301,7 +301,9 @@ def write_chrome_trace(path: str,
 def plot_gantt(panels: Sequence[tuple[str, Iterable[Any]]], path: str,
                title: str = '', share_time_axis: bool = True,
                num_devices: int | None = None,
-               stage_devices: Sequence[int] | None = None) -> None:
+               stage_devices: Sequence[int] | None = None,
+               panel_devices: Sequence[Sequence[int] | None] | None = None
+               ) -> None:
   """A PNG Gantt chart: one panel per (name, records), one row per stage.
 
   Boxes are coloured by kind (forward, recompute, backward) and labelled with
@@ -313,7 +315,9 @@ def plot_gantt(panels: Sequence[tuple[str, Iterable[Any]]], path: str,
   device s mod K (interleaved schedules, v stages per device), and boxes
   of chunk c = s div K ≥ 1 are hatched, labelled like '3c1'. Or give the
   schedule's `stage_devices` map (zb_v's V: stage s on device map[s]);
-  chunk c is then s's rank among its device's stages.
+  chunk c is then s's rank among its device's stages. `panel_devices`:
+  one such map per panel (None: s mod K), for panels of schedules that
+  place stages differently.
   """
   import matplotlib  # Late: only the pictures need it.
   matplotlib.use('Agg')
@@ -325,9 +329,9 @@ def plot_gantt(panels: Sequence[tuple[str, Iterable[Any]]], path: str,
     raise TimelineError('plot_gantt got no records; give (name, records) '
                         'pairs with at least one record.')
   num_stages = max(r.stage for _, recs in data for r in recs) + 1
-  if stage_devices is not None:
-    num_devices = len(set(stage_devices))
-  placed = _placement(num_stages, num_devices, stage_devices)
+  maps = list(panel_devices or [stage_devices] * len(data))
+  if stage_devices is not None or any(maps):
+    num_devices = max(len(set(m)) for m in maps if m)
   if num_devices is not None and not 1 <= num_devices <= num_stages:
     raise TimelineError(f'num_devices={num_devices!r}: give K, 1 ≤ K ≤ '
                         f'{num_stages} (the records have {num_stages} '
@@ -337,9 +341,10 @@ def plot_gantt(panels: Sequence[tuple[str, Iterable[Any]]], path: str,
       len(data), 1, sharex=share_time_axis, squeeze=False,
       figsize=(11, 0.5 + len(data) * (0.9 + 0.45 * rows)))
   span = max((r.end for _, recs in data for r in recs), default=1.0) * 1e3
-  for ax, (name, recs) in zip(axes[:, 0], data):
+  for ax, (name, recs), devices in zip(axes[:, 0], data, maps):
+    stages = max((r.stage for r in recs), default=0) + 1
     _draw_panel(ax, name, recs, rows, span, num_devices is not None,
-                placed)
+                _placement(stages, num_devices, devices))
   axes[-1, 0].set_xlabel('time (ms)')
   kinds = [k for k in KINDS if any(r.kind == k for _, rs in data for r in rs)]
   fig.legend(handles=[patches.Patch(color=_COLORS[k], label=_NAMES[k])

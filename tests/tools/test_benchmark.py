@@ -65,6 +65,9 @@ _EXPECTED = {
                  'most micro-batches held per stage'],
     'split': ['| network | F | B (R+B) | I (R+I) | W | I + W ÷ B',
               'I + W ÷ B, mlp_16x512', '| network | B | F+B kept | I |'],
+    'zero_bubble': ['| schedule | recompute | M | step (s) | ÷ 1F1B',
+                    'zb_v step ÷ 1F1B, K=2, M=8, recompute never',
+                    'zb_h1 peak activation memory ÷ 1F1B, M=16'],
 }
 _FILES = {'table1': ['table1.png'], 'schedules': ['schedules_memory.png'],
           'fidelity': ['fidelity.png'],

@@ -20,6 +20,7 @@ from bench import split_bench
 from bench import table1
 from bench import timeline_bench
 from bench import tracing
+from bench import zero_bubble
 
 # name: (title, module with run(args) and render(section)).
 _SECTIONS = {
@@ -40,6 +41,8 @@ _SECTIONS = {
                 tracing),
     'timeline': ('Timelines of one step per schedule', timeline_bench),
     'split': ('The backward split into I and W: I + W ÷ B', split_bench),
+    'zero_bubble': ('Zero-bubble schedules (ZB-H1, ZB-V) beside 1F1B and '
+                    'torch', zero_bubble),
 }
 NAMES = tuple(_SECTIONS)
 TITLES = tuple(title for title, _ in _SECTIONS.values())
