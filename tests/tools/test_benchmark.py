@@ -67,7 +67,7 @@ _EXPECTED = {
               'I + W ÷ B, mlp_16x512', '| network | B | F+B kept | I |'],
     'zero_bubble': ['| schedule | recompute | M | step (s) | ÷ 1F1B',
                     'zb_v step ÷ 1F1B, K=2, M=8, recompute never',
-                    'zb_h1 peak activation memory ÷ 1F1B, M=16'],
+                    'zb_h1 peak activation memory ÷ 1F1B, M=8'],
 }
 _FILES = {'table1': ['table1.png'], 'schedules': ['schedules_memory.png'],
           'fidelity': ['fidelity.png'],
