@@ -7,8 +7,9 @@
 Sub-commands (sections.py), one per topic: stage processes and data
 parallelism (efficiency, overlap, table1, peer, slices); schedules and
 their cost (schedules, fidelity, partition, overheads, tracing, timeline);
-Keras models (keras: a wrapped Keras CNN vs the same network in
-lingvo_pipe layers); several hosts (links: K=2 over rate-limited links
+the backward split into I and W and the zero-bubble schedules (split,
+zero_bubble); Keras models (keras: a wrapped Keras CNN vs the same network
+in lingvo_pipe layers); several hosts (links: K=2 over rate-limited links
 between hosts made of network namespaces, as root; the simulator at scale
 on paper). Each writes
 its section into docs/benchmarks.json and re-renders docs/benchmarks.md

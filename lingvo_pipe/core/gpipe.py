@@ -21,12 +21,13 @@ The algorithm (Huang et al., 2019; Narayanan et al., 2019):
 
     plan    = costs per layer (FPropMeta flops, p.costs, or parameters),
               the exact min-max cut into K·v stages (plan.py)
-    place   stage s's variables on devices[s mod K]
+    place   stage s's variables on the device the schedule maps it to
+            (s mod K, or zb_v's V: device d holds stages d and 2K−1−d)
     train:  split the batch into M micro-batches and run the schedule's
-            ops — F, R, B of each stage and micro-batch, on its device, in
-            the schedule's order (engine.py); keep only each stage's input
-            boundary, recompute in backward, accumulate gradients over
-            micro-batches; one synchronous update follows.
+            ops — F, R, B (or I and W) of each stage and micro-batch, on
+            its device, in the schedule's order (engine.py); keep only each
+            stage's input boundary, recompute in backward, accumulate
+            gradients over micro-batches; one synchronous update follows.
     eval:   the whole batch, stage after stage, no recompute.
 
 Training equals unpipelined training for any K, M and schedule up to float
@@ -78,7 +79,8 @@ class PipeliningLayer(base_layer.BaseLayer):
              '(variables are keyed by them); each layer\'s outputs (a tuple '
              '= several positional inputs) feed the next.')
     p.Define('num_stages', 1, 'K: devices; the schedule says which stages '
-             'each runs (the built-in ones: stage s on devices[s mod K]).')
+             'each runs (the built-in ones: stage s on devices[s mod K]; zb_v: '
+             'device d holds stages d and 2K−1−d).')
     p.Define('split_points', None, 'Optional K·v−1 increasing layer indices '
              'where stages 1.. start; overrides the partitioner.')
     p.Define('costs', None, 'Per-layer costs for the partitioner: a list '
@@ -106,7 +108,11 @@ class PipeliningLayer(base_layer.BaseLayer):
     p.Define('schedule', 'gpipe', 'gpipe: all forwards, then all backwards '
              '(M micro-batches of activations per stage); 1f1b: PipeDream-'
              'flush, at most K−k in flight on stage k; interleaved: 1f1b over '
-             'v chunks per device, bubble ÷ v. Or a schedule written as text '
+             'v chunks per device, bubble ÷ v; zb_h1: 1f1b with each backward '
+             'split into I (input gradient) and W (weight gradients), W '
+             'filling the bubble (÷ 3); zb_v: 2K stages in a V, device d '
+             'holding stages d and 2K−1−d, bubble ÷ 6 at 1f1b\'s memory '
+             '(docs/guide_k_m.md). Or a schedule written as text '
              '(one row per device, e.g. "device 0: F0 F1 R1 B1 R0 B0"; '
              'docs/design.md) or a file holding one. All but gpipe need the '
              'loss in the pipeline (FPropLoss).')

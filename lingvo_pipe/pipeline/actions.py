@@ -33,6 +33,8 @@ writes exactly these keys) all derive from it. Families:
   y      a stage's outputs.
   act    what R made for its B or I (the backward it ran).
   tape   a kept forward's GradientTape (cannot leave the graph that made it).
+  saved  what a kept forward left for its I (split backward: plain
+         tensors, where B would read a tape).
   dx     the gradient of a stage's input (stage 0's: the inputs' gradient).
   w      what I kept for W.
   recv, drecv   a received input, a received output gradient.
@@ -233,10 +235,13 @@ class Schedule:
       if s == self.last and not seeded:
         reads['side'] = ('label', s, m)
       writes = {'y': ('y', s, m)}
-      if s > 0 or not rebuilt:  # Stage 0's R reads the input again.
-        writes['x'] = ('x', s, m)
-      if not rebuilt:
-        writes['tape'] = ('tape', s, m)
+      if rebuilt:  # Stage 0's R reads the input again.
+        if s > 0:
+          writes['x'] = ('x', s, m)
+      elif self.splits(s, m):  # Plain values: they may cross iterations.
+        writes['saved'] = ('saved', s, m)
+      else:
+        writes.update(x=('x', s, m), tape=('tape', s, m))
       return reads, writes
     if kind == 'R':
       reads = {'x': ('input', 0, m) if s == 0 else ('x', s, m),
@@ -250,6 +255,9 @@ class Schedule:
         writes['w'] = ('w', s, m)
       if rebuilt:
         return {'act': ('act', s, m)}, writes
+      if kind == 'I':
+        return {'saved': ('saved', s, m),
+                'dy': self._output_grad_key(s, m, seeded)}, writes
       return {'x': ('x', s, m), 'dy': self._output_grad_key(s, m, seeded),
               'tape': ('tape', s, m), 'y': ('y', s, m)}, writes
     if kind == 'W':

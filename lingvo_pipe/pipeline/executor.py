@@ -3,7 +3,7 @@
     for (device, action) in emission order (actions.emission_order):
       if this process runs action's stage:
         values = [what the action reads]      # its declared keys
-        written = run(action, values)         # F, R, B, SEND_*, RECV_*
+        written = run(action, values)         # F, R, B, I, W, SEND_*, RECV_*
         store written under its declared keys
 
 What an action reads and writes is its declaration (`Schedule.io`); the
@@ -285,13 +285,16 @@ class Executor:
       y, stats, times = st.bodies.forward(st.theta, x, side, after,
                                           state.index(m), self.step)
       dependency.independent(times)
-      made = {'y': y}
+      made = {'y': y, 'x': x} if s > 0 else {'y': y}
+    elif self.schedule.splits(s, m):  # Kept as values for its I.
+      y, stats, saved, times = st.bodies.split_forward(
+          st.theta, x, side, after, state.index(m), self.step)
+      dependency.independent(times)
+      made = {'y': y, 'saved': saved}
     else:  # Kept, inline: its backward needs this tape.
       x, y, stats, times, tape = st.bodies.kept_forward(
           st.theta, x, side, after, state.index(m), self.step)
-      made = {'y': y, 'tape': tape}
-    if s > 0 or not self.schedule.rebuilds(s, m):
-      made['x'] = x
+      made = {'y': y, 'tape': tape, 'x': x}
     st.merge_stats(stats)
     self._record(state, a, 'F', times)
     state.after[d] = leaves(y) or after
@@ -321,6 +324,14 @@ class Executor:
     s, m = a.stage, a.micro_batch
     st = state.stages[s]
     x, side = r['x'][1], r.get('side', (None, None))[1]
+    if self.schedule.splits(s, m):  # R+I: dx, and what W will read.
+      dx, kept, times = st.bodies.split_backward(
+          st.theta, x, side, self._output_grads(a, r, st),
+          self._after(state, d), state.index(m), self.step)
+      dependency.independent(times)
+      self._record(state, a, 'RI', times)
+      state.after[d] = leaves((dx, kept))
+      return {'act': (_input_grads(x, dx), kept)}
     dx, st.acc, times = st.bodies.backward(
         st.theta, x, side, self._output_grads(a, r, st), self._after(state, d),
         state.index(m), self.step, st.first_acc())
@@ -378,10 +389,32 @@ class Executor:
         'F' if forward else 'B', s, state.index(m), after=state.after[d])
     return {'value': value}
 
-  def _weights(self, d: int, a: Action, r: dict[str, Any],
-               state: StepState) -> dict[str, Any]:
-    raise ExecutorError(f'{a}: I and W need the split backward, which this '
-                        'executor does not run yet.')
+  def _input_grad(self, d: int, a: Action, r: dict[str, Any],
+                  state: StepState) -> dict[str, Any]:
+    """I: the input gradient, and what W will read (`w`)."""
+    if 'act' in r:  # Computed with its R.
+      dx, kept = r['act'][1]
+      return {'dx': dx, 'w': kept}
+    st = state.stages[a.stage]
+    saved = r['saved'][1]
+    dx, kept, times = st.bodies.input_grad(
+        st.theta, saved, self._output_grads(a, r, st), self._after(state, d))
+    dependency.independent(times)
+    self._record(state, a, 'I', times)
+    state.after[d] = leaves((dx, kept))
+    return {'dx': _input_grads(st.bodies.input_structure(saved), dx),
+            'w': kept}
+
+  def _weight_grad(self, d: int, a: Action, r: dict[str, Any],
+                   state: StepState) -> dict[str, Any]:
+    """W: the stage's weight gradients of what I kept, into `acc`."""
+    st = state.stages[a.stage]
+    st.acc, times = st.bodies.weight_grad(
+        st.theta, r['w'][1], self._after(state, d), st.first_acc())
+    dependency.independent(times)
+    self._record(state, a, 'W', times)
+    state.after[d] = leaves(st.acc)
+    return {}
 
   # ---- Results -----------------------------------------------------------
   def stacked(self, state: StepState, family: str, s: int) -> Any:
@@ -432,8 +465,8 @@ _HANDLERS = {
     'F': Executor._forward,  # pylint: disable=protected-access
     'R': Executor._recompute,  # pylint: disable=protected-access
     'B': Executor._backward,  # pylint: disable=protected-access
-    'I': Executor._weights,  # pylint: disable=protected-access
-    'W': Executor._weights,  # pylint: disable=protected-access
+    'I': Executor._input_grad,  # pylint: disable=protected-access
+    'W': Executor._weight_grad,  # pylint: disable=protected-access
     'SEND_F': Executor._send,  # pylint: disable=protected-access
     'SEND_B': Executor._send,  # pylint: disable=protected-access
     'RECV_F': Executor._recv,  # pylint: disable=protected-access

@@ -143,7 +143,8 @@ class _Carry:
                    if f[1] in state.stages}
     self.arrays = sorted(f for f in loop.arrays if f[1] in state.stages)
     self.sends = any(a.kind.startswith('SEND_') for _, a in mine)
-    self.records = ex.recording and any(a.kind in ('F', 'B') for _, a in mine)
+    self.records = ex.recording and any(
+        a.kind in actions_lib.COMPUTE_KINDS for _, a in mine)
     self.slots: list[tuple[int, str]] = []  # A body's records: (stage, kind).
 
   def _token(self, d: int, after: list[tf.Tensor]) -> tf.Tensor:
@@ -159,7 +160,8 @@ class _Carry:
       _array(state, family, example, num, st.device)
     return {
         'token': [self._token(d, state.after[d]) for d in self.devices],
-        'acc': [state.stages[s].acc for s in self.backwards],
+        # Zeros where no backward ran yet (a W may come only in the loop).
+        'acc': [state.stages[s].first_acc() for s in self.backwards],
         'stats': [state.stages[s].stats for s in self.forwards],
         'delay': {f: self._delay_line(f, n) for f, n in self.delays.items()},
         'arrays': [state.arrays[f].arrays for f in self.arrays],

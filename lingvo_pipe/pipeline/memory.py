@@ -151,7 +151,9 @@ def predict(metas: Sequence[Any], boundaries: Sequence[int],
             optimizer: str | None = 'sgd',
             whole_batch_io: bool = True,
             num_chunks: int = 1,
-            stage_processes: bool = False) -> MemoryPrediction:
+            stage_processes: bool = False,
+            layer_kept_bytes: Sequence[float] | None = None
+            ) -> MemoryPrediction:
   """Each stage's (device's) predicted peak bytes for one training step.
 
   Args:
@@ -170,6 +172,11 @@ def predict(metas: Sequence[Any], boundaries: Sequence[int],
       prediction is per device (the schedule says which stages it holds).
     stage_processes: whether each device is a process of its own, so
       boundaries travel between processes (the `transfers` component).
+    layer_kept_bytes: per layer, the bytes a split backward keeps from I
+      to W for the whole mini-batch (`split_backward.layer_bytes` × M);
+      counted only by schedules that split (zb_h1, zb_v). None: not
+      counted (tracing each layer's split costs seconds; the caller
+      decides).
 
   Raises:
     PreflightError: bad optimizer, boundaries, M, schedule or recompute.
@@ -186,7 +193,8 @@ def predict(metas: Sequence[Any], boundaries: Sequence[int],
         layer_out_bytes=[float(m.out_bytes) for m in metas],
         layer_param_bytes=[float(m.param_bytes) for m in metas],
         input_bytes=float(input_bytes), boundaries=bounds,
-        num_micro_batches=num_micro_batches, flops_per_second=1.0)
+        num_micro_batches=num_micro_batches, flops_per_second=1.0,
+        layer_kept_bytes=layer_kept_bytes)
     if whole_batch_io:  # Stage 0's input is the whole batch, counted in io.
       costs[0] = dataclasses.replace(costs[0], boundary_bytes=0.0)
     ops = schedule if isinstance(schedule, schedule_lib.Schedule) else (

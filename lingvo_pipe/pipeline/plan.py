@@ -124,6 +124,9 @@ class Plan:
   report: partitioner.PartitionReport
   params: Any
   stage_devices: tuple[int, ...]  # Stage → device (the schedule's map).
+  # Per layer, W's share of its backward (costs='profile': measured, for
+  # the zero-bubble schedules' I and W); None: the simulator's rule.
+  weight_shares: tuple[float, ...] | None = None
 
   @property
   def num_stages(self) -> int:
@@ -235,7 +238,8 @@ class Plan:
     costs = simulator.stage_costs_from_layers(
         work, [x.out_bytes for x in self.metas],
         [x.param_bytes for x in self.metas], self.input_bytes(),
-        list(self.boundaries), m, flops_per_second)
+        list(self.boundaries), m, flops_per_second,
+        layer_weight_shares=self.weight_shares)
     return simulator.simulate(costs, m, p.recompute, schedule or p.schedule,
                               num_chunks=self.num_chunks)
 
@@ -270,8 +274,9 @@ class Plan:
 
 
 def _profiled_costs(p: Any, layers: list[Any], where: str,
-                    inputs: Any) -> list[float]:
-  """p.costs='profile': each layer's measured seconds (profile.py)."""
+                    inputs: Any) -> tuple[list[float], list[float]]:
+  """p.costs='profile': each layer's measured seconds (profile.py), and
+  the share of its backward that is W (the weight gradients)."""
   if inputs is None:
     if p.input_shapes is None:
       raise PlanError(f"{where}: costs='profile' runs each layer on inputs "
@@ -286,7 +291,10 @@ def _profiled_costs(p: Any, layers: list[Any], where: str,
                                       batch_dim=p.batch_dim)
   except (profile.ProfileError, microbatch.MicroBatchError) as e:
     raise PlanError(f'{where}: {e}') from None
-  return _agreed(profile.costs_from_profiles(profiles))
+  n = len(profiles)
+  both = _agreed(profile.costs_from_profiles(profiles) +
+                 [x.weight_share for x in profiles])
+  return both[:n], both[n:]
 
 
 def _agreed(costs: list[float]) -> list[float]:
@@ -362,7 +370,7 @@ def make_plan(p: Any, where: str, profile_inputs: Any = None) -> Plan:
     raise PlanError(f'{where}: loop_steady_state={p.loop_steady_state!r}; '
                     'use True (loop over the steady state) or False (emit '
                     'every op).')
-  chunks = p.virtual_stages_per_device if p.schedule == 'interleaved' else 1
+  chunks = schedule_lib.chunks_of(p.schedule, p.virtual_stages_per_device)
   if written is not None:
     chunks = written.num_stages // max(1, written.num_devices)
   if not isinstance(chunks, int) or chunks < 1:
@@ -378,8 +386,10 @@ def make_plan(p: Any, where: str, profile_inputs: Any = None) -> Plan:
         f'{len(layers)}.')
   metas = (layer_metas(layers, p.input_shapes, where)
            if p.input_shapes is not None else None)
+  shares = None
   if p.costs == 'profile':
-    costs, unit = _profiled_costs(p, layers, where, profile_inputs), 'seconds'
+    costs, shares = _profiled_costs(p, layers, where, profile_inputs)
+    unit = 'seconds'
   elif p.costs is not None:
     if len(p.costs) != len(layers):
       raise PlanError(
@@ -410,4 +420,5 @@ def make_plan(p: Any, where: str, profile_inputs: Any = None) -> Plan:
                   schedule_lib.stage_devices(p.schedule, k, chunks))
   return Plan(where, tuple(names), None if metas is None else tuple(metas),
               tuple(costs), unit, tuple(bounds), k, chunks, report, p,
-              tuple(where_stages))
+              tuple(where_stages),
+              None if shares is None else tuple(shares))

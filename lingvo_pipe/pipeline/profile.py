@@ -11,14 +11,17 @@ times each layer on the target device instead. `profile_layers` does that:
       x = outputs of the previous layer, on one micro-batch (N / M rows,
           as a stage runs it: small matmuls run below peak)
       trace  F(x) = FProp(theta, *x)  and  FB(x) = F + gradient of the float
-             outputs (fed ones) w.r.t. theta and the float inputs, under
-             tf.function, in a training fprop_context
-      warm up, then time E, F and FB in turn `repeats` times (each
+             outputs (fed ones) w.r.t. theta and the float inputs, and
+             FI(x) = F + the gradient w.r.t. the float inputs alone (what
+             a split backward's I computes), under tf.function, in a
+             training fprop_context
+      warm up, then time E, F, FB and FI in turn `repeats` times (each
              sample averages enough calls to last ~2 ms), where E is an
              empty call (dispatch overhead, paid once per stage call in
              the engine, not once per layer)
       forward = max(0, median(F) - median(E))
       backward = max(0, median(FB) - median(F))
+      input_grad = min(backward, max(0, median(FI) - median(F)))
 
 `clock='cpu'` times by this process's CPU time: on a shared CPU host,
 others' load stretches wall time, not our CPU time (one op, busy 2-core
@@ -84,10 +87,21 @@ class LayerProfile:
   backward_s: float
   out_bytes: int
   param_bytes: int
+  input_grad_s: float | None = None  # I's part of backward_s; None: unknown.
 
   @property
   def total_s(self) -> float:
     return self.forward_s + self.backward_s
+
+  @property
+  def weight_share(self) -> float:
+    """W's share of the backward (zero-bubble schedules run it apart);
+    unknown: the simulator's rule (1/2 with parameters, else 0)."""
+    if self.input_grad_s is None:
+      return 0.5 if self.param_bytes else 0.0
+    if self.backward_s <= 0:
+      return 0.0
+    return max(0.0, 1.0 - self.input_grad_s / self.backward_s)
 
 
 def _nbytes(tensors: Any) -> int:
@@ -144,8 +158,10 @@ class _Settings:  # How profile_layers runs and times each layer.
 
 
 def _bodies(layer: Any, cfg: _Settings
-           ) -> tuple[Callable[..., Any], Callable[..., Any]]:
-  """The forward and forward+backward of `layer`, as tf.functions.
+           ) -> tuple[Callable[..., Any], Callable[..., Any],
+                      Callable[..., Any]]:
+  """The forward, forward+backward and forward+input gradient of `layer`,
+  as tf.functions.
 
   Step and micro-batch index are arguments, not constants, so Grappler
   cannot fold a dropout mask into a constant (the engine does the same).
@@ -167,22 +183,25 @@ def _bodies(layer: Any, cfg: _Settings
     with tf.device(cfg.device):
       return _fprop(x, step, m)
 
-  @tf.function(autograph=False)
-  def forward_backward(x: tuple[Any, ...], step: tf.Tensor,
-                       m: tf.Tensor) -> Any:
-    with tf.device(cfg.device):
-      with tf.GradientTape() as tape:
-        x_float = _floats(tf.nest.flatten(x))
-        tape.watch(x_float)
-        y, stats = _fprop(x, step, m)
-      targets = _floats(tf.nest.flatten(y))
-      grads = tape.gradient(
-          targets, (x_float, list(layer.trainable_variables)),
-          output_gradients=[tf.ones_like(t) for t in targets],
-          unconnected_gradients=tf.UnconnectedGradients.ZERO)
-      return y, stats, grads
+  def _with_grads(weights: bool) -> Callable[..., Any]:
+    @tf.function(autograph=False)
+    def _fn(x: tuple[Any, ...], step: tf.Tensor, m: tf.Tensor) -> Any:
+      with tf.device(cfg.device):
+        with tf.GradientTape() as tape:
+          x_float = _floats(tf.nest.flatten(x))
+          tape.watch(x_float)
+          y, stats = _fprop(x, step, m)
+        targets = _floats(tf.nest.flatten(y))
+        sources = (x_float, list(layer.trainable_variables) if weights
+                   else [])
+        grads = tape.gradient(
+            targets, sources,
+            output_gradients=[tf.ones_like(t) for t in targets],
+            unconnected_gradients=tf.UnconnectedGradients.ZERO)
+        return y, stats, grads
+    return _fn
 
-  return forward, forward_backward
+  return forward, _with_grads(True), _with_grads(False)
 
 
 def _seconds(fn: Callable[..., Any], args: tuple[Any, ...],
@@ -198,7 +217,7 @@ def _seconds(fn: Callable[..., Any], args: tuple[Any, ...],
 def _profile_one(layer: Any, name: str, x: tuple[Any, ...],
                  cfg: _Settings) -> tuple[LayerProfile, tuple[Any, ...]]:
   """Times one built layer on x; returns its profile and its outputs."""
-  forward, forward_backward = _bodies(layer, cfg)
+  forward, forward_backward, forward_input = _bodies(layer, cfg)
   clock = CLOCKS[cfg.clock]
   # The cost of a call that computes nothing: Python and runtime dispatch,
   # paid once per stage call in the engine, not once per layer.
@@ -207,21 +226,23 @@ def _profile_one(layer: Any, name: str, x: tuple[Any, ...],
   with tf.device(cfg.device):
     args = (x, tf.constant(0, tf.int64), tf.constant(0, tf.int32))
   y, _ = forward(*args)  # Traces, as do the next two calls.
-  fns = (empty, forward, forward_backward)
-  for fn in fns[::2] + fns * cfg.warmup:
+  fns = (empty, forward, forward_backward, forward_input)
+  for fn in (empty, forward_backward, forward_input) + fns * cfg.warmup:
     fn(*args)
   # Calls per sample: ~2 ms' worth, so that jitter averages out.
   calls = min(100, 1 + int(2e-3 / _seconds(forward_backward, args, clock)))
-  times: list[list[float]] = [[], [], []]
-  for _ in range(cfg.repeats):  # Alternated: noise hits all three alike.
+  times: list[list[float]] = [[], [], [], []]
+  for _ in range(cfg.repeats):  # Alternated: noise hits all alike.
     for fn, t in zip(fns, times):
       t.append(_seconds(fn, args, clock, calls))
-  e, f, fb = (statistics.median(t) for t in times)
+  e, f, fb, fi = (statistics.median(t) for t in times)
   y = y if isinstance(y, tuple) else (y,)
+  backward = max(0.0, fb - f)
   return LayerProfile(
-      name=name, forward_s=max(0.0, f - e), backward_s=max(0.0, fb - f),
+      name=name, forward_s=max(0.0, f - e), backward_s=backward,
       out_bytes=_nbytes(y),
-      param_bytes=_nbytes(list(layer.trainable_variables))), y
+      param_bytes=_nbytes(list(layer.trainable_variables)),
+      input_grad_s=min(backward, max(0.0, fi - f))), y
 
 
 def profile_layers(layer_params: Sequence[Any], inputs: Sequence[Any],

@@ -13,6 +13,11 @@ Built-in schedules, by name (`make_schedule`):
   1f1b         PipeDream-flush: device k holds at most K−k micro-batches.
   interleaved  Megatron's virtual stages: device d holds chunks c = 0..v−1,
                stages c·K + d; the bubble shrinks by v.
+  zb_h1        zero bubble (`zero_bubble.py`): 1F1B with each backward
+               split into I (input gradient) and W (weight gradients), W
+               filling the cool-down; a third of 1F1B's bubble.
+  zb_v         zero bubble over 2K stages in a V (device d holds stages d
+               and 2K−1−d); a sixth of 1F1B's bubble, 1F1B's memory.
 
 Or any schedule written as text (`schedule_text.py`): one row per device,
 e.g. "device 0: F0 F1 R0 B0 R1 B1".
@@ -42,12 +47,12 @@ from lingvo_pipe.pipeline.actions import (Action, Schedule, ScheduleError,
 __all__ = [
     'Action', 'RECOMPUTE_POLICIES', 'SCHEDULES', 'Schedule', 'ScheduleError',
     'check_schedule', 'clock_cycles', 'emission_order', 'gpipe_schedule',
-    'interleaved_schedule', 'make_schedule', 'one_f_one_b_schedule',
-    'run_times', 'stage_devices',
+    'chunks_of', 'interleaved_schedule', 'make_schedule',
+    'one_f_one_b_schedule', 'recomputes', 'run_times', 'stage_devices',
 ]
 
 RECOMPUTE_POLICIES = ('always', 'needed', 'except_last', 'never')
-SCHEDULES = ('gpipe', '1f1b', 'interleaved')
+SCHEDULES = ('gpipe', '1f1b', 'interleaved', 'zb_h1', 'zb_v')
 
 
 def _check(num_stages: int, num_micro_batches: int, recompute: str) -> None:
@@ -60,7 +65,9 @@ def _check(num_stages: int, num_micro_batches: int, recompute: str) -> None:
                         f'{RECOMPUTE_POLICIES}.')
 
 
-def _recomputes(stage: int, num_stages: int, recompute: str) -> bool:
+def recomputes(stage: int, num_stages: int, recompute: str) -> bool:
+  """Whether the policy `recompute` rebuilds `stage`'s activations (before
+  'needed' drops the R that would directly follow its F)."""
   return recompute in ('always', 'needed') or (
       recompute == 'except_last' and stage < num_stages - 1)
 
@@ -68,7 +75,7 @@ def _recomputes(stage: int, num_stages: int, recompute: str) -> bool:
 def backward(stage: int, num_stages: int, recompute: str,
              m: int) -> list[Action]:
   """[R, B] of (stage, m) if the policy recomputes the stage, else [B]."""
-  if _recomputes(stage, num_stages, recompute):
+  if recomputes(stage, num_stages, recompute):
     return [Action('R', m, stage), Action('B', m, stage)]
   return [Action('B', m, stage)]
 
@@ -176,10 +183,19 @@ def interleaved_schedule(num_devices: int, num_micro_batches: int,
 
 def stage_devices(name: str, num_devices: int,
                   num_chunks: int = 1) -> tuple[int, ...]:
-  """Where each stage of the built-in schedule `name` runs: stage s on
+  """Where each stage of the built-in schedule `name` runs: zb_v's V
+  (`zero_bubble.v_stage_devices`; it always has 2 chunks), else stage s on
   device s mod K (a written schedule says so itself)."""
-  del name  # Every built-in schedule places stages round-robin.
+  if name == 'zb_v':
+    from lingvo_pipe.pipeline import zero_bubble  # pylint: disable=C0415
+    return zero_bubble.v_stage_devices(num_devices)
   return tuple(s % num_devices for s in range(num_devices * num_chunks))
+
+
+def chunks_of(name: str, num_chunks: int = 1) -> int:
+  """Stages per device of the built-in schedule `name` (`num_chunks`, the
+  interleaved schedule's v, applies to it alone)."""
+  return {'interleaved': num_chunks, 'zb_v': 2}.get(name, 1)
 
 
 def is_text(spec: str) -> bool:
@@ -194,7 +210,7 @@ def make_schedule(name: str, num_stages: int, num_micro_batches: int,
   """The schedule called `name`, or written in `name` (text or a file).
 
   `num_stages` counts devices; `num_chunks` (virtual stages per device)
-  applies to 'interleaved' only. A written schedule carries its own
+  applies to 'interleaved' only (zb_v always has two). A written schedule carries its own
   recompute actions and micro-batches: it must have `num_stages` devices
   and `num_micro_batches` micro-batches.
   """
@@ -205,6 +221,10 @@ def make_schedule(name: str, num_stages: int, num_micro_batches: int,
   if name == 'interleaved':
     return interleaved_schedule(num_stages, num_micro_batches, recompute,
                                 num_chunks)
+  if name in ('zb_h1', 'zb_v'):
+    from lingvo_pipe.pipeline import zero_bubble  # pylint: disable=C0415
+    build_zb = zero_bubble.zb_h1 if name == 'zb_h1' else zero_bubble.zb_v
+    return build_zb(num_stages, num_micro_batches, recompute)
   if is_text(name):
     from lingvo_pipe.pipeline import schedule_text  # pylint: disable=C0415
     return schedule_text.load(name, num_stages, num_micro_batches)

@@ -6,14 +6,18 @@ costs a run that runs out of memory or idles most devices. This module
 replays one step on paper: every stage runs its ops in schedule order
 (`schedule.py`), an op starts when its stage is free and its dependencies
 are done (+ `transfer_time` when they cross stages), and it lasts the
-stage's forward / recompute / backward time.
+stage's forward / recompute / backward (or input-gradient I and
+weight-gradient W) time.
 
-Memory model, per stage and micro-batch (from the op start/end times):
+Memory model, per stage and micro-batch (from the op start/end times; a
+split backward's I ends what B would end):
   with recompute   boundary_bytes from F's start to B's end (the saved
                    stage input), plus activation_bytes from R's start to B's
                    end (the rebuilt intermediates);
   without          boundary_bytes + activation_bytes from F's start to B's
-                   end.
+                   end;
+  split (I, W)     also kept_bytes from I's end to W's end: what W reads
+                   (each weight op's input and output gradient).
 The transient working memory inside one op is not counted.
 
 "Single device" means the same ops run back to back on one device (no
@@ -60,7 +64,10 @@ class StageCost:
 
   Times are in seconds (or any one unit); bytes are per micro-batch except
   `param_bytes`. `backward` defaults to 2 × forward (two matmuls per forward
-  one), `recompute` to forward (it re-runs the forward).
+  one), `recompute` to forward (it re-runs the forward). A split backward
+  runs as `input_grad` (I) and `weight_grad` (W): by default half of
+  `backward` each (a matmul's backward is one matmul for its input and one
+  for its weight), or what `backward` leaves when one is given.
   """
   forward: float
   backward: float | None = None
@@ -68,26 +75,37 @@ class StageCost:
   boundary_bytes: float = 0.0  # The stage's input: kept with recompute.
   activation_bytes: float = 0.0  # All intermediates inside the stage.
   param_bytes: float = 0.0
+  input_grad: float | None = None
+  weight_grad: float | None = None
+  kept_bytes: float = 0.0  # What W reads, from I to W.
 
   def __post_init__(self) -> None:
     if self.backward is None:
       object.__setattr__(self, 'backward', 2.0 * self.forward)
     if self.recompute is None:
       object.__setattr__(self, 'recompute', self.forward)
+    if self.input_grad is None:
+      object.__setattr__(self, 'input_grad', (
+          self.backward / 2 if self.weight_grad is None else
+          max(0.0, self.backward - self.weight_grad)))
+    if self.weight_grad is None:
+      object.__setattr__(self, 'weight_grad',
+                         max(0.0, self.backward - self.input_grad))
     for field in dataclasses.fields(self):
       _check_amount(f'StageCost.{field.name}', getattr(self, field.name))
 
   def time(self, kind: str) -> float:
-    """Duration of an op of `kind` ('F', 'R' or 'B')."""
+    """Duration of an op of `kind` ('F', 'R', 'B', 'I' or 'W')."""
     return float({'F': self.forward, 'R': self.recompute,
-                  'B': self.backward}[kind])  # type: ignore[arg-type]
+                  'B': self.backward, 'I': self.input_grad,
+                  'W': self.weight_grad}[kind])  # type: ignore[arg-type]
 
 
 class Event(NamedTuple):
   """One op on the timeline (stage: the virtual stage; see `device`)."""
   stage: int
   micro_batch: int
-  kind: str  # 'F', 'R' or 'B'.
+  kind: str  # 'F', 'R', 'B', 'I' or 'W'.
   start: float
   end: float
 
@@ -265,7 +283,10 @@ def _schedule(schedule: str | schedule_lib.Schedule, num_stages: int,
         num_chunks < 1 or num_stages % num_chunks):
       raise SimulationError(f'num_chunks={num_chunks!r} must be an int ≥ 1 '
                             f'that divides the {num_stages} stages.')
-    ops = schedule_lib.make_schedule(schedule, num_stages // num_chunks,
+    # zb_v always runs two stages per device, whatever num_chunks says.
+    per_device = (schedule_lib.chunks_of(schedule, num_chunks)
+                  if schedule in schedule_lib.SCHEDULES else num_chunks)
+    ops = schedule_lib.make_schedule(schedule, num_stages // per_device,
                                      num_micro_batches, recompute, num_chunks)
   if ops.num_stages != num_stages:
     raise SimulationError(
@@ -279,7 +300,10 @@ def _peak_memory(stages: Sequence[StageCost], events: list[Event]) -> float:
   when = {(e.stage, e.kind, e.micro_batch): e for e in events}
   changes = []  # (time, bytes); frees sort before allocations at equal times.
   for (s, kind, m), e in when.items():
-    if kind != 'B':
+    if kind == 'W':
+      kept = stages[s].kept_bytes
+      changes += [(when[(s, 'I', m)].end, kept), (e.end, -kept)]
+    if kind not in ('B', 'I'):
       continue
     cost, start = stages[s], when[(s, 'F', m)].start
     if (s, 'R', m) in when:
@@ -300,7 +324,9 @@ def stage_costs_from_layers(
     layer_flops: Sequence[float], layer_out_bytes: Sequence[float],
     layer_param_bytes: Sequence[float], input_bytes: float,
     boundaries: Sequence[int], num_micro_batches: int,
-    flops_per_second: float, backward_ratio: float = 2.0) -> list[StageCost]:
+    flops_per_second: float, backward_ratio: float = 2.0,
+    layer_weight_shares: Sequence[float] | None = None,
+    layer_kept_bytes: Sequence[float] | None = None) -> list[StageCost]:
   """Per-stage costs of one micro-batch from batch-level per-layer numbers.
 
   Args:
@@ -312,11 +338,19 @@ def stage_costs_from_layers(
     num_micro_batches: M; flops and activation bytes are divided by it.
     flops_per_second: throughput of one device.
     backward_ratio: backward time / forward time.
+    layer_weight_shares: each layer's share of its backward that is W
+      (the weight gradients; the rest is I). Default, the rule: 1/2 for a
+      layer with parameters (a matmul's backward is one matmul for its
+      input, one for its weight), 0 for one without.
+    layer_kept_bytes: bytes each layer keeps from I to W for the whole
+      batch (`split_backward.layer_bytes`); default 0.
 
   Returns:
     One StageCost per stage: forward = flops / M / flops_per_second,
     activation_bytes = Σ out_bytes of its layers / M, boundary_bytes = the
-    previous stage's last output (or the input) / M, param_bytes = Σ.
+    previous stage's last output (or the input) / M, param_bytes = Σ;
+    input_grad and weight_grad its layers' backward split by their shares,
+    kept_bytes = Σ / M.
 
   Raises:
     SimulationError: mismatched lengths or bad numbers.
@@ -339,13 +373,24 @@ def stage_costs_from_layers(
     bounds = partitioner.check_boundaries(boundaries, num_layers)
   except partitioner.PartitionError as e:
     raise SimulationError(str(e)) from e
+  shares = (list(layer_weight_shares) if layer_weight_shares is not None
+            else [0.5 if p > 0 else 0.0 for p in layer_param_bytes])
+  kept = list(layer_kept_bytes or [0.0] * num_layers)
+  if not len(shares) == len(kept) == num_layers:
+    raise SimulationError('layer_weight_shares and layer_kept_bytes need one '
+                          f'entry per layer ({num_layers}).')
   m, out = num_micro_batches, []
   for k in range(len(bounds) - 1):
     a, b = bounds[k], bounds[k + 1]
     forward = math.fsum(layer_flops[a:b]) / m / flops_per_second
+    weight = backward_ratio * math.fsum(
+        f * w for f, w in zip(layer_flops[a:b], shares[a:b])
+    ) / m / flops_per_second
     out.append(StageCost(
         forward=forward, backward=backward_ratio * forward,
         boundary_bytes=(input_bytes if a == 0 else layer_out_bytes[a - 1]) / m,
         activation_bytes=math.fsum(layer_out_bytes[a:b]) / m,
-        param_bytes=float(math.fsum(layer_param_bytes[a:b]))))
+        param_bytes=float(math.fsum(layer_param_bytes[a:b])),
+        input_grad=max(0.0, backward_ratio * forward - weight),
+        weight_grad=weight, kept_bytes=math.fsum(kept[a:b]) / m))
   return out

@@ -2,7 +2,8 @@
 
 `Stage` is what the engine is given: a composite stage's `fprop`, weights
 and device. For one step, `StageBodies` traces what each action computes —
-F, and R+B fused — once, and calls it per micro-batch; `StageState` is the
+F, and R+B fused; with a split backward (`split_backward.py`) F, R+I, I
+and W — once, and calls it per micro-batch; `StageState` is the
 stage's part of the step: the values its actions made (saved inputs,
 outputs, input gradients, tapes) by (family, micro-batch), its accumulated
 gradients and its statistics. The executor (`executor.py`) asks it to run
@@ -39,6 +40,7 @@ Timing is a wrapper: `Clock` brackets a piece of an action with
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable, Sequence
 
 import tensorflow as tf
@@ -143,6 +145,11 @@ class StageBodies:
                     experimental_attributes={'_noinline': True})))
     self.forward = wrap(self._forward)
     self.backward = wrap(self._backward)
+    # A split backward (zero-bubble schedules): I and W.
+    self.split_forward = wrap(self._split_forward)
+    self.split_backward = wrap(self._split_backward)
+    self.input_grad = wrap(self._input_grad)
+    self.weight_grad = wrap(self._weight_grad)
 
   def _run(self, theta: Any, x: Any, side: Any, m: Any, step: Any,
            stats: StatsCollector | None) -> Any:
@@ -187,6 +194,73 @@ class StageBodies:
               unconnected_gradients=tf.UnconnectedGradients.ZERO),
           r_times[1:] or targets, tf.nest.flatten)
       return dx, tf.nest.map_structure(tf.add, acc, dtheta), r_times + b_times
+
+  @functools.cached_property
+  def split(self) -> Any:
+    """The stage's forward, I and W (`split_backward.SplitStage`), traced
+    on first use."""
+    # pylint: disable-next=import-outside-toplevel (it imports this module)
+    from lingvo_pipe.pipeline import split_backward
+    return split_backward.SplitStage(self.stage, self.scope)
+
+  def _split_forward(self, theta: Any, x: Any, side: Any,
+                     after: list[tf.Tensor], m: tf.Tensor, step: tf.Tensor
+                    ) -> tuple[Any, dict[str, Any], list[tf.Tensor],
+                               list[tf.Tensor]]:
+    """F of a split micro-batch that keeps its activations: outputs,
+    statistics, saved (what its I reads: plain values, which can cross
+    loop iterations as no tape can), stamps."""
+    with tf.device(self.stage.device):
+      x = dependency.chained(x, after)
+      (y, stats, saved), times = self.body_clock(
+          lambda: self.split.forward(theta, x, side, m, step),
+          float_leaves(x) or list(after), lambda r: float_leaves(r[0]))
+      return y, stats, saved, times
+
+  def _split_backward(self, theta: Any, x: Any, side: Any,
+                      dys: list[tf.Tensor], after: list[tf.Tensor],
+                      m: tf.Tensor, step: tf.Tensor
+                     ) -> tuple[list[tf.Tensor], list[tf.Tensor],
+                                list[tf.Tensor]]:
+    """R+I: dx (float leaves of x), kept (what W reads), stamps (R, then
+    I). R rebuilds only what I reads, and collects no statistics."""
+    with tf.device(self.stage.device):
+      x = dependency.chained(x, list(dys) + list(after))
+      saved, r_times = self.body_clock(
+          lambda: self.split.recompute(theta, x, side, m, step),
+          float_leaves(x) or list(dys), list)
+      (dx, kept), i_times = self.body_clock(
+          lambda: self.split.input_grad_saved(theta, x, side, saved, dys),
+          r_times[1:] or saved, lambda r: r[0] + r[1])
+      return dx, kept, r_times + i_times
+
+  def _input_grad(self, theta: Any, saved: list[tf.Tensor],
+                  dys: list[tf.Tensor], after: list[tf.Tensor]
+                 ) -> tuple[list[tf.Tensor], list[tf.Tensor],
+                            list[tf.Tensor]]:
+    """I from what a split F saved: dx, kept, stamps."""
+    with tf.device(self.stage.device):
+      wait = list(dys) + list(after)
+      saved = dependency.chained(saved, wait)
+      (dx, kept), times = self.body_clock(
+          lambda: self.split.input_grad_saved(theta, None, None, saved, dys),
+          wait, lambda r: r[0] + r[1])
+      return dx, kept, times
+
+  def _weight_grad(self, theta: Any, kept: list[tf.Tensor],
+                   after: list[tf.Tensor], acc: Any
+                  ) -> tuple[Any, list[tf.Tensor]]:
+    """W: acc + dθ from what I kept, stamps."""
+    with tf.device(self.stage.device):
+      kept = dependency.chained(kept, after)
+      return self.body_clock(
+          lambda: self.split.weight_grad(theta, kept, acc),
+          kept or list(after), tf.nest.flatten)
+
+  def input_structure(self, saved: list[tf.Tensor]) -> Any:
+    """The stage input's structure (TensorSpec leaves) of the split
+    that saved `saved`: where I's dx leaves go."""
+    return self.split.traced_for(saved, 'saved_specs').structures['x']
 
   def kept_forward(self, theta: Any, x: Any, side: Any, after: list[tf.Tensor],
                    m: Any, step: Any

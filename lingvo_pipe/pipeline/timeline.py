@@ -28,6 +28,7 @@ a PNG Gantt chart, one row per stage as in the GPipe paper's Figure 2.
 
 from __future__ import annotations
 
+import collections
 import json
 import statistics
 from typing import Any, Callable, Iterable, NamedTuple, Sequence
@@ -44,9 +45,11 @@ __all__ = ['KINDS', 'Record', 'RecordBatch', 'StepRecorder', 'TimelineError',
            'record_step',
            'to_chrome_trace', 'write_chrome_trace']
 
-KINDS = ('F', 'R', 'B')
-_COLORS = {'F': '#4C72B0', 'R': '#DD8452', 'B': '#55A868'}
-_NAMES = {'F': 'forward', 'R': 'recompute', 'B': 'backward'}
+KINDS = ('F', 'R', 'B', 'I', 'W')  # I, W: a split backward (zero bubble).
+_COLORS = {'F': '#4C72B0', 'R': '#DD8452', 'B': '#55A868', 'I': '#8172B3',
+           'W': '#CCB974'}
+_NAMES = {'F': 'forward', 'R': 'recompute', 'B': 'backward',
+          'I': 'input gradient', 'W': 'weight gradient'}
 
 
 class TimelineError(errors.LingvoPipeError):
@@ -57,7 +60,7 @@ class Record(NamedTuple):
   """One op of a step; the same fields as `simulator.Event`."""
   stage: int
   micro_batch: int
-  kind: str  # 'F', 'R' or 'B'.
+  kind: str  # One of KINDS.
   start: float  # Seconds.
   end: float
 
@@ -200,10 +203,13 @@ def record_step(net: Any, inputs: Sequence[Any],
 
 # ---- Predicting -----------------------------------------------------------
 def calibrated_costs(records: Iterable[Any]) -> list[simulator.StageCost]:
-  """Per-stage StageCosts from the median measured F, R and B durations.
+  """Per-stage StageCosts from the median measured F, R, B, I and W
+  durations.
 
   A stage without 'R' records gets recompute = forward (the simulator's
-  default), which is only used if the simulated policy recomputes.
+  default), which is only used if the simulated policy recomputes. A split
+  stage (I and W records, no B) gets backward = I + W; a stage with B only
+  gets the simulator's I/W halves (used if the simulated schedule splits).
   """
   recs = _checked(records)
   if not recs:
@@ -215,11 +221,17 @@ def calibrated_costs(records: Iterable[Any]) -> list[simulator.StageCost]:
     for kind in KINDS:
       d = [r.end - r.start for r in recs if r.stage == k and r.kind == kind]
       med[kind] = statistics.median(d) if d else None
-    if med['F'] is None or med['B'] is None:
-      raise TimelineError(f'Stage {k} has no F or no B records; give the '
-                          'records of a whole training step.')
-    costs.append(simulator.StageCost(forward=med['F'], backward=med['B'],
-                                     recompute=med['R']))
+    split = med['I'] is not None and med['W'] is not None
+    if med['F'] is None or (med['B'] is None and not split):
+      raise TimelineError(f'Stage {k} has no F or no B (or I and W) '
+                          'records; give the records of a whole training '
+                          'step.')
+    if med['B'] is None:
+      med['B'] = med['I'] + med['W']
+    costs.append(simulator.StageCost(
+        forward=med['F'], backward=med['B'], recompute=med['R'],
+        input_grad=med['I'] if split else None,
+        weight_grad=med['W'] if split else None))
   return costs
 
 
@@ -288,7 +300,10 @@ def write_chrome_trace(path: str,
 # ---- Gantt chart ----------------------------------------------------------
 def plot_gantt(panels: Sequence[tuple[str, Iterable[Any]]], path: str,
                title: str = '', share_time_axis: bool = True,
-               num_devices: int | None = None) -> None:
+               num_devices: int | None = None,
+               stage_devices: Sequence[int] | None = None,
+               panel_devices: Sequence[Sequence[int] | None] | None = None
+               ) -> None:
   """A PNG Gantt chart: one panel per (name, records), one row per stage.
 
   Boxes are coloured by kind (forward, recompute, backward) and labelled with
@@ -298,7 +313,11 @@ def plot_gantt(panels: Sequence[tuple[str, Iterable[Any]]], path: str,
 
   With `num_devices` = K, the rows are devices instead: stage s runs on
   device s mod K (interleaved schedules, v stages per device), and boxes
-  of chunk c = s div K ≥ 1 are hatched, labelled like '3c1'.
+  of chunk c = s div K ≥ 1 are hatched, labelled like '3c1'. Or give the
+  schedule's `stage_devices` map (zb_v's V: stage s on device map[s]);
+  chunk c is then s's rank among its device's stages. `panel_devices`:
+  one such map per panel (None: s mod K), for panels of schedules that
+  place stages differently.
   """
   import matplotlib  # Late: only the pictures need it.
   matplotlib.use('Agg')
@@ -310,6 +329,9 @@ def plot_gantt(panels: Sequence[tuple[str, Iterable[Any]]], path: str,
     raise TimelineError('plot_gantt got no records; give (name, records) '
                         'pairs with at least one record.')
   num_stages = max(r.stage for _, recs in data for r in recs) + 1
+  maps = list(panel_devices or [stage_devices] * len(data))
+  if stage_devices is not None or any(maps):
+    num_devices = max(len(set(m)) for m in maps if m)
   if num_devices is not None and not 1 <= num_devices <= num_stages:
     raise TimelineError(f'num_devices={num_devices!r}: give K, 1 ≤ K ≤ '
                         f'{num_stages} (the records have {num_stages} '
@@ -319,8 +341,10 @@ def plot_gantt(panels: Sequence[tuple[str, Iterable[Any]]], path: str,
       len(data), 1, sharex=share_time_axis, squeeze=False,
       figsize=(11, 0.5 + len(data) * (0.9 + 0.45 * rows)))
   span = max((r.end for _, recs in data for r in recs), default=1.0) * 1e3
-  for ax, (name, recs) in zip(axes[:, 0], data):
-    _draw_panel(ax, name, recs, rows, span, num_devices is not None)
+  for ax, (name, recs), devices in zip(axes[:, 0], data, maps):
+    stages = max((r.stage for r in recs), default=0) + 1
+    _draw_panel(ax, name, recs, rows, span, num_devices is not None,
+                _placement(stages, num_devices, devices))
   axes[-1, 0].set_xlabel('time (ms)')
   kinds = [k for k in KINDS if any(r.kind == k for _, rs in data for r in rs)]
   fig.legend(handles=[patches.Patch(color=_COLORS[k], label=_NAMES[k])
@@ -333,15 +357,35 @@ def plot_gantt(panels: Sequence[tuple[str, Iterable[Any]]], path: str,
   plt.close(fig)
 
 
+def _placement(num_stages: int, num_devices: int | None,
+               stage_devices: Sequence[int] | None
+               ) -> dict[int, tuple[int, int]] | None:
+  """Stage → (device row, chunk): from the map, else s mod K."""
+  if num_devices is None:
+    return None
+  if stage_devices is None:
+    return {s: (s % num_devices, s // num_devices) for s in range(num_stages)}
+  if len(stage_devices) < num_stages:
+    raise TimelineError(f'stage_devices={tuple(stage_devices)} places '
+                        f'{len(stage_devices)} stages; the records have '
+                        f'{num_stages}.')
+  seen: dict[int, int] = collections.Counter()
+  out = {}
+  for s, d in enumerate(stage_devices):
+    out[s] = (d, seen[d])
+    seen[d] += 1
+  return out
+
+
 def _draw_panel(ax: Any, name: str, recs: list[Record], num_rows: int,
-                span_ms: float, by_device: bool = False) -> None:
+                span_ms: float, by_device: bool = False,
+                placed: dict[int, tuple[int, int]] | None = None) -> None:
   """One panel: a row per stage (or device), a labelled box per record."""
   end_ms = max((r.end for r in recs), default=0.0) * 1e3
   ax.set_title(f'{name} — step {end_ms:.1f} ms', loc='left', fontsize=10)
   for r in recs:
     x, w = r.start * 1e3, (r.end - r.start) * 1e3
-    row, chunk = ((r.stage % num_rows, r.stage // num_rows) if by_device
-                  else (r.stage, 0))
+    row, chunk = placed[r.stage] if by_device and placed else (r.stage, 0)
     ax.broken_barh([(x, w)], (row - 0.4, 0.8),
                    facecolors=_COLORS[r.kind], edgecolor='white',
                    linewidth=0.6, hatch='///' if chunk else None)

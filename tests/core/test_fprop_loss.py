@@ -1,6 +1,7 @@
 """Transparency of every schedule: the loss inside the pipeline.
 
-`PipeliningLayer.FPropLoss` runs GPipe, 1F1B and interleaved 1F1B with the
+`PipeliningLayer.FPropLoss` runs GPipe, 1F1B, interleaved 1F1B and the
+zero-bubble ZB-H1 and ZB-V (split backward: I, then W) with the
 last stage computing each micro-batch's weighted-mean loss. The step's loss,
 its gradients and the BatchNorm statistics must equal plain autodiff over
 the same layers and weights, micro-batch by micro-batch (BatchNorm
@@ -41,7 +42,7 @@ import pipeline_stacks as stacks  # pylint: disable=g-bad-import-order
 BATCH = stacks.BATCH
 MODELS = ('conv_bn', 'transformer', 'nested')
 NUM_LAYERS = {'conv_bn': 8, 'transformer': 4, 'nested': 6}
-SCHEDULES = ('gpipe', '1f1b', 'interleaved')
+SCHEDULES = ('gpipe', '1f1b', 'interleaved', 'zb_h1', 'zb_v')
 
 
 _reference = functools.lru_cache(maxsize=None)(stacks.loss_reference)
@@ -49,6 +50,8 @@ _pipelined = stacks.pipelined_loss
 
 
 def _valid(model, schedule, k, m) -> bool:
+  if schedule == 'zb_v':  # Two stages per device, in a V.
+    return 2 * k <= NUM_LAYERS[model]
   if schedule != 'interleaved':
     return True
   return m % k == 0 and 2 * k <= NUM_LAYERS[model]

@@ -68,7 +68,8 @@ def _graph(net) -> Any:
 
 def _key(sched, op) -> tuple[int, str, int]:
   """An action's group: a recompute and its backward are one call, at R."""
-  rebuilt = op.kind == 'B' and sched.rebuilds(op.stage, op.micro_batch)
+  rebuilt = op.kind in ('B', 'I') and sched.rebuilds(op.stage,
+                                                     op.micro_batch)
   return (op.stage, 'R' if rebuilt else op.kind, op.micro_batch)
 
 
@@ -152,8 +153,14 @@ def _loop_bodies(graph_def) -> list[Any]:
           for n in graph_def.node if n.op in ('While', 'StatelessWhile')]
 
 
+_ZERO_BUBBLE = ('zb_h1', 'zb_v')
+
+
 def _cases():
-  for name in schedule_lib.SCHEDULES:
+  # Zero bubble: a few (its split I and W, kept F's saved values, the V).
+  yield from [('zb_h1', 2, 4, 'never'), ('zb_h1', 3, 6, 'always'),
+              ('zb_v', 2, 4, 'always'), ('zb_v', 2, 5, 'needed')]
+  for name in (n for n in schedule_lib.SCHEDULES if n not in _ZERO_BUBBLE):
     for k in (1, 2, 3, 4):
       for m in range(1, 9):
         if name == 'interleaved' and (m % k or 2 * k > 8):
@@ -174,7 +181,8 @@ def test_emitted_graph_follows_the_schedule(name, k, m, recompute):
 
 @pytest.mark.parametrize('name,k,m', [('gpipe', 2, 20), ('1f1b', 2, 20),
                                       ('1f1b', 4, 20), ('gpipe', 4, 20),
-                                      ('interleaved', 2, 20)])
+                                      ('interleaved', 2, 20),
+                                      ('zb_v', 2, 20)])
 def test_loop_bodies_follow_the_schedule(name, k, m):
   # A looped step (the default): inside each loop body, every device's
   # actions are chained in the schedule's order, and every dependency the

@@ -192,3 +192,18 @@ def test_bad_arguments(kwargs, message):
   with pytest.raises(PreflightError, match='batch_size=0'):
     memory.choose_micro_batches(_metas(4, MIB), [0, 2, 4], 0, MIB,
                                 input_bytes=MIB)
+
+
+def test_split_backward_keeps_its_bytes_from_i_to_w():
+  # One stage, M=1, zb_h1 (F, I, W): kept replaces the activations after I,
+  # so the peak is max(activations, kept); kept counts only when given.
+  metas = [LayerMeta(0, (), param_bytes=8, out_bytes=100)] * 2
+  kw = dict(input_bytes=10, schedule='zb_h1', recompute='never',
+            whole_batch_io=False)
+  plain = memory.predict(metas, [0, 2], 1, **kw)
+  assert plain.stages[0].activations == 10 + 200
+  kept = memory.predict(metas, [0, 2], 1, layer_kept_bytes=[150, 150], **kw)
+  assert kept.stages[0].activations == 300
+  one = memory.predict(metas, [0, 2], 1, layer_kept_bytes=[150, 150],
+                       **dict(kw, schedule='1f1b'))
+  assert one.stages[0].activations == 210  # B does not split: no kept.

@@ -40,6 +40,12 @@ def test_profile_costs_cut_by_measured_time():
   assert 1 <= plan.boundaries[1] <= 6  # fc0 and fc6 in different stages.
   text = plan.to_text()
   assert 'imbalance by flops' in text and 'measured layer times' in text
+  # W's measured share of each backward reaches the simulator's I and W.
+  assert len(plan.weight_shares) == 7
+  assert all(0 <= w <= 1 for w in plan.weight_shares)
+  sim = plan.simulate(schedule='zb_h1')
+  for cost in sim.stages:
+    assert cost.time('I') + cost.time('W') == pytest.approx(cost.backward)
 
 
 def test_micro_batch_size_is_honoured_by_every_report():

@@ -45,6 +45,9 @@ def test_fc_stack_ranks_wide_layers_above_narrow_and_feeds_partition():
       (i * w + w) * 4 for i, w in zip(ins, WIDTHS)]
   # (A narrow layer's forward may be 0: less than an empty call's dispatch.)
   assert all(p.forward_s >= 0 and p.backward_s >= 0 for p in profs)
+  # I (the input gradient) is part of the backward; W's share is the rest.
+  assert all(0 <= p.input_grad_s <= p.backward_s for p in profs)
+  assert all(0 <= p.weight_share <= 1 for p in profs)
   # fc1024 and fc2048 have ≥ 16× the flops of fc128 and fc256.
   for wide in profs[3:]:
     for narrow in profs[:2]:

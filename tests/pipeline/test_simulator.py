@@ -202,3 +202,56 @@ def test_stage_costs_from_layers_errors():
   ]:
     with pytest.raises(SimulationError, match=message):
       simulator.stage_costs_from_layers(**{**good, **change})
+
+
+def test_split_backward_costs_default_to_halves():
+  cost = StageCost(forward=1.0)
+  assert (cost.time('I'), cost.time('W')) == (1.0, 1.0)
+  cost = StageCost(forward=1.0, backward=3.0, weight_grad=0.5)
+  assert (cost.time('I'), cost.time('W')) == (2.5, 0.5)
+
+
+def test_zb_h1_bubble_is_a_third_of_1f1b():
+  # F = I = W = 1 (B = 2): 1F1B idles 3(K-1) units per device, ZB-H1 K-1
+  # (W fills the cool-down), so the step is 3M + K - 1 units.
+  for k, m in ((2, 4), (4, 8)):
+    one = simulator.simulate([StageCost(1.0)] * k, m, 'never', '1f1b')
+    zb = simulator.simulate([StageCost(1.0)] * k, m, 'never', 'zb_h1')
+    assert one.step_time == 3 * m + 3 * (k - 1)
+    assert zb.step_time == 3 * m + (k - 1)
+    assert sum(zb.busy) == sum(one.busy)
+
+
+def test_zb_v_by_name_places_a_v_and_keeps_1f1b_memory():
+  k, m = 2, 8
+  stages = [StageCost(0.5, activation_bytes=1.0)] * (2 * k)
+  r = simulator.simulate(stages, m, 'never', 'zb_v')
+  assert r.stage_devices == (0, 1, 1, 0)
+  assert r.num_stages == k
+  one = simulator.simulate([StageCost(1.0, activation_bytes=2.0)] * k, m,
+                           'never', '1f1b')
+  assert r.step_time < one.step_time
+  assert max(r.peak_activation_bytes) <= max(one.peak_activation_bytes)
+
+
+def test_kept_bytes_are_held_from_i_to_w():
+  # One stage, one micro-batch: F, I, W back to back; kept is the only
+  # memory left once I frees the activations.
+  r = simulator.simulate([StageCost(1.0, kept_bytes=5.0)], 1, 'never',
+                         'zb_h1')
+  assert [e.kind for e in r.events] == ['F', 'I', 'W']
+  assert r.peak_activation_bytes == (5.0,)
+  r = simulator.simulate([StageCost(1.0, activation_bytes=7.0,
+                                    kept_bytes=5.0)], 1, 'never', 'zb_h1')
+  assert r.peak_activation_bytes == (7.0,)
+
+
+def test_stage_costs_split_by_weight_shares():
+  costs = simulator.stage_costs_from_layers(
+      [2.0, 2.0], [1.0, 1.0], [4.0, 0.0], 1.0, [0, 1, 2], 1, 1.0,
+      layer_kept_bytes=[3.0, 0.0])
+  # Rule: a layer with parameters splits its backward in halves, one
+  # without is all I.
+  assert [(c.time('I'), c.time('W')) for c in costs] == [(2.0, 2.0),
+                                                         (4.0, 0.0)]
+  assert [c.kept_bytes for c in costs] == [3.0, 0.0]

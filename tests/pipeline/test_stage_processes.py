@@ -39,6 +39,10 @@ import stage_runs  # pylint: disable=g-bad-import-order
     # M=8: the steady state runs as loops in each process.
     ('transformer', 2, 1, 8, '1f1b', 'always'),
     ('nested', 2, 1, 8, 'gpipe', 'always'),
+    # Zero bubble: split backward (I, then W) with kept forwards' saved
+    # values; ZB-V's V map (device 0 holds stages 0 and 3) and loops.
+    ('nested', 2, 1, 4, 'zb_h1', 'never'),
+    ('transformer', 2, 1, 8, 'zb_v', 'always'),
     # A written schedule: 1F1B, one more warm-up forward on device 0.
     ('nested', 2, 1, 4, 'device 0: F0 F1 F2 R0 B0 F3 R1 B1 R2 B2 R3 B3\n'
      'device 1: F0 R0 B0 F1 R1 B1 F2 R2 B2 F3 R3 B3', 'always'),

@@ -193,3 +193,24 @@ def test_step_recorder_with_the_loss_in_the_pipeline():
   assert {(r.stage, r.micro_batch, r.kind) for r in records} == {
       (k, m, kind) for k in range(2) for m in range(2) for kind in 'FRB'}
   assert min(r.start for r in records) > 1e9  # Seconds since the epoch.
+
+
+def test_split_backward_records_calibrate_and_draw_on_their_devices(
+    tmp_path):
+  # zb_v, K=1: stages 0 and 1 both on device 0; F, I and W per stage.
+  recs = [(0, 0, 'F', 0.0, 0.1), (1, 0, 'F', 0.1, 0.2),
+          (1, 0, 'I', 0.2, 0.3), (0, 0, 'I', 0.3, 0.4),
+          (1, 0, 'W', 0.4, 0.45), (0, 0, 'W', 0.45, 0.5)]
+  costs = timeline.calibrated_costs(recs)
+  assert costs[1].time('I') == pytest.approx(0.1)
+  assert costs[1].time('W') == pytest.approx(0.05)
+  assert costs[1].backward == pytest.approx(0.15)
+  sim = simulator.simulate(costs, 1, 'never', 'zb_v')
+  assert sim.stage_devices == (0, 0)
+  assert sim.step_time == pytest.approx(0.5)
+  path = tmp_path / 'zb.png'
+  timeline.plot_gantt([('measured', recs), ('predicted', sim.events)],
+                      str(path), stage_devices=sim.stage_devices)
+  assert path.stat().st_size > 0
+  with pytest.raises(timeline.TimelineError, match='places 1 stages'):
+    timeline.plot_gantt([('measured', recs)], str(path), stage_devices=(0,))

@@ -56,6 +56,11 @@ EXPECTED = {
                   'tracing time M=64 ÷ M=8, FPropLoss 1f1b'],
     'timeline': ['timeline_k2_m8.png', 'timeline_k2_m8.trace.json',
                  'most micro-batches held per stage'],
+    'split': ['| network | F | B (R+B) | I (R+I) | W | I + W ÷ B',
+              'I + W ÷ B, mlp_16x512', '| network | B | F+B kept | I |'],
+    'zero_bubble': ['| schedule | recompute | M | step (s) | ÷ 1F1B',
+                    'zb_v step ÷ 1F1B, K=2, M=8, recompute never',
+                    'zb_h1 peak activation memory ÷ 1F1B, M=8'],
     'keras': ['| network | first call (s) | step (s) |', '| wrapped Keras |',
               'wrapped Keras ÷ lingvo_pipe layers, step time'],
     # The paper part; the measured part needs network namespaces (root).

@@ -64,9 +64,10 @@ def _ours(net: common.NetSpec, reps: int) -> dict[str, Any]:
   return out
 
 
-def _torch(net: common.NetSpec, reps: int) -> dict[str, Any]:
-  """Two torch processes, pinned like ours; stopped by PID whatever
-  happens."""
+def _torch(net: common.NetSpec, reps: int, m: int = M,
+           configs: tuple[str, ...] = CONFIGS) -> dict[str, Any]:
+  """Two torch processes, pinned like ours, running `configs`
+  (torch_peer.py's names); stopped by PID whatever happens."""
   port = stage_procs.free_port()
   with tempfile.TemporaryDirectory(prefix='lp_torch_') as tmp:
     procs, logs = [], []
@@ -78,7 +79,8 @@ def _torch(net: common.NetSpec, reps: int) -> dict[str, Any]:
             [sys.executable, TORCH_WORKER, f'--rank={rank}', f'--world={K}',
              f'--port={port}', f'--layers={net.num_layers}',
              f'--width={net.width}', f'--batch={net.batch}',
-             f'--micro_batches={M}', f'--reps={reps}',
+             f'--micro_batches={m}', f'--reps={reps}',
+             f'--configs={",".join(configs)}',
              f'--out={os.path.join(tmp, f"r{rank}.json")}'],
             stdout=log, stderr=subprocess.STDOUT,
             preexec_fn=lambda r=rank: os.sched_setaffinity(0, {r % 2})))
@@ -99,7 +101,7 @@ def _torch(net: common.NetSpec, reps: int) -> dict[str, Any]:
       with open(os.path.join(tmp, f'r{rank}.json')) as f:
         ranks.append(json.load(f))
   step = {}
-  for c in CONFIGS:
+  for c in configs:
     per_rank = [r['times_s'][c] for r in ranks if r['times_s'][c]]
     step[c] = statistics.median(max(ts) for ts in zip(*per_rank))
   return {'step_s': step, 'version': ranks[0]['torch']}

@@ -18,9 +18,11 @@ from bench import plots
 from bench import report
 from bench import schedules
 from bench import slices
+from bench import split_bench
 from bench import table1
 from bench import timeline_bench
 from bench import tracing
+from bench import zero_bubble
 
 # name: (title, module with run(args) and render(section)).
 _SECTIONS = {
@@ -44,6 +46,9 @@ _SECTIONS = {
               'layers', keras_bench),
     'links': ('K=2 over rate-limited links between hosts, and the '
               'simulator at scale', links_bench),
+    'split': ('The backward split into I and W: I + W ÷ B', split_bench),
+    'zero_bubble': ('Zero-bubble schedules (ZB-H1, ZB-V) beside 1F1B and '
+                    'torch', zero_bubble),
 }
 NAMES = tuple(_SECTIONS)
 TITLES = tuple(title for title, _ in _SECTIONS.values())

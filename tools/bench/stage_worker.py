@@ -132,6 +132,17 @@ def _step_fn(tf: Any, cfg: dict[str, Any], net: Any, x: Any,
   return step
 
 
+def _kept_bytes(tf: Any, cfg: dict[str, Any]) -> list[float]:
+  """Per layer, what a split backward keeps from I to W for the whole
+  batch (`split_backward.layer_bytes` of one micro-batch × M)."""
+  from bench import common  # pylint: disable=g-import-not-at-top
+  from lingvo_pipe.pipeline import split_backward  # pylint: disable=C0415
+  spec, m = common.NetSpec(*cfg['net']), cfg['M']
+  x = [tf.TensorSpec([spec.batch // m, spec.width], tf.float32)]
+  return [float(split_backward.layer_bytes(p, x)[0] * m)
+          for p in spec.layer_params()]
+
+
 def _peak_rss_bytes() -> int:
   return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
@@ -199,14 +210,18 @@ class _Config:
       # resident before the step (a variable; micro-batches are views of
       # it), as with whole-batch io, whose io is then not counted.
       from lingvo_pipe.pipeline import memory as memory_lib  # pylint: disable=C0415
+      from lingvo_pipe.pipeline import schedule as schedule_lib  # pylint: disable=C0415
       schedule = self.cfg.get('schedule', 'gpipe')
       pred = memory_lib.predict(
           self.net.metas, self.net.boundaries, self.cfg['M'],
           input_bytes=self.cfg['net'][1] * self.cfg['net'][2] * 4,
           schedule=schedule, recompute=self.cfg.get('recompute', 'always'),
           optimizer=None, whole_batch_io=True,
-          num_chunks=self.cfg.get('chunks', 2) if schedule == 'interleaved'
-          else 1, stage_processes=self.cfg['scope'] == 'run')
+          num_chunks=schedule_lib.chunks_of(schedule,
+                                            self.cfg.get('chunks', 2)),
+          stage_processes=self.cfg['scope'] == 'run',
+          layer_kept_bytes=_kept_bytes(tf, self.cfg)
+          if schedule in ('zb_h1', 'zb_v') else None)
       self.result['memory']['predicted'] = [
           {'activation_bytes': s.activations, 'workspace_bytes': s.workspace,
            'transfer_bytes': s.transfers} for s in pred.stages]

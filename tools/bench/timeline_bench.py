@@ -1,16 +1,19 @@
 """The timeline picture: one step of each schedule on 2 stage processes.
 
-GPipe, 1F1B and interleaved 1F1B (v=2 stages per process) run the same
+GPipe, 1F1B, interleaved 1F1B (v=2 stages per process) and the zero-bubble
+ZB-H1 and ZB-V (split backward: I, then W; ZB-V holds 2 stages per process
+in a V) run the same
 network at K=2, M=8, recompute off, in one run of two stage processes. For
 each, the recorded step of median span (engine timestamps; one host, so
 both processes' clocks agree) is drawn above its prediction: the simulator
 run on stage costs calibrated from that step's own median F and B
 durations (`timeline.calibrated_costs`), so the panels differ only where
 the real step leaves the schedule (transfers, dispatch gaps, noise). Rows
-are processes (devices): stage s runs on device s mod K.
+are processes (devices), as the schedule places its stages.
 
 The numbers that say "this is 1F1B": the most micro-batches a stage holds
-at once (forward done, backward not): M for GPipe, K−k for 1F1B on stage k.
+at once (forward done, backward — or I — not): M for GPipe, K−k for 1F1B
+on stage k.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from lingvo_pipe.pipeline import timeline
 
 K, M, CHUNKS = 2, 8, 2
 RECOMPUTE = 'never'
-SCHEDULES = ('gpipe', '1f1b', 'interleaved')
+SCHEDULES = ('gpipe', '1f1b', 'interleaved', 'zb_h1', 'zb_v')
 PNG = 'timeline_k2_m8.png'
 TRACE = 'timeline_k2_m8.trace.json'
 
@@ -38,11 +41,13 @@ def sizes(tiny: bool) -> tuple[common.NetSpec, int]:
 
 
 def in_flight(recs: list[Any]) -> list[int]:
-  """Per stage, the most micro-batches with F done and B not yet done."""
+  """Per stage, the most micro-batches with F done and B (or I) not yet
+  done."""
   out = []
   for s in range(max(r[0] for r in recs) + 1):
     events = sorted([(r[4], 1) for r in recs if r[0] == s and r[2] == 'F'] +
-                    [(r[4], -1) for r in recs if r[0] == s and r[2] == 'B'])
+                    [(r[4], -1) for r in recs
+                     if r[0] == s and r[2] in ('B', 'I')])
     held = peak = 0
     for _, delta in events:
       held += delta
@@ -59,15 +64,26 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
               'net': [spec.num_layers, spec.width, spec.batch]}
              for s in SCHEDULES]
   common.log(f'timeline: {", ".join(SCHEDULES)} at K={K}, M={M}')
-  result = stage_procs.launch({'configs': configs, 'warmup': 1, 'reps': 1,
-                               'record': record}, K)
-  panels, rows = [], []
+  runs = {}
+  # zb_v in a launch of its own: its stage 3 is on process 0, interleaved's
+  # on process 1, and a transfer's collective keys name the stage, not the
+  # network (one process refuses the two).
+  for group in ([c for c in configs if c['schedule'] != 'zb_v'],
+                [c for c in configs if c['schedule'] == 'zb_v']):
+    run = stage_procs.launch({'configs': group, 'warmup': 1, 'reps': 1,
+                              'record': record}, K)
+    runs.update({c['name']: run for c in group})
+  panels, rows, maps = [], [], []
   for s in SCHEDULES:
+    result = runs[s]
     measured = timeline.normalized(stage_procs.median_by_span(
         stage_procs.records(result, s)))
-    chunks = CHUNKS if s == 'interleaved' else 1
     predicted = simulator.simulate(timeline.calibrated_costs(measured), M,
-                                   RECOMPUTE, s, num_chunks=chunks)
+                                   RECOMPUTE, s, num_chunks=(
+                                       CHUNKS if s == 'interleaved' else 1))
+    devices = predicted.stage_devices or tuple(
+        d % K for d in range(len(predicted.stages)))
+    maps += [devices, devices]
     panels += [(f'{s}: measured (engine timestamps, {K} processes)',
                 measured),
                (f'{s}: predicted (simulator, this step\'s median op times)',
@@ -79,13 +95,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                  'in_flight': in_flight(measured),
                  'in_flight_predicted': in_flight(list(predicted.events)),
                  'overlap': timeline.overlap_fraction(
-                     [r._replace(stage=r.stage % K) for r in measured]),
+                     [r._replace(stage=devices[r.stage])
+                      for r in measured]),
                  'records': [list(r) for r in measured]})
   os.makedirs(args.out_dir, exist_ok=True)
   timeline.plot_gantt(panels, os.path.join(args.out_dir, PNG),
                       title=f'{spec.describe()}, K={K} stage processes, '
-                      f'M={M}, recompute={RECOMPUTE}; interleaved: v={CHUNKS}',
-                      num_devices=K)
+                      f'M={M}, recompute={RECOMPUTE}; interleaved: v={CHUNKS}; '
+                      'zb_v: 2 stages per process in a V',
+                      panel_devices=maps)
   timeline.write_chrome_trace(os.path.join(args.out_dir, TRACE), panels)
   return {'network': spec.describe(), 'png': PNG, 'trace': TRACE,
           'rows': rows, 'targets': _targets(rows)}
@@ -122,11 +140,13 @@ def render(s: dict[str, Any]) -> str:
            for r in s['rows']]
   return '\n'.join([
       f'Network: {s["network"]}; K={K} stage processes, M={M}, '
-      f'recompute={RECOMPUTE}; interleaved: v={CHUNKS} stages per process '
-      '(hatched boxes: chunk 1). Each schedule: the measured step (median '
+      f'recompute={RECOMPUTE}; interleaved: v={CHUNKS} stages per process, '
+      'zb_v: 2 in a V (hatched boxes: a process\'s second stage). Each '
+      'schedule: the measured step (median '
       'span of the recorded ones) above its prediction.',
       '',
-      f'![GPipe, 1F1B and interleaved steps, measured and predicted]'
+      f'![GPipe, 1F1B, interleaved, ZB-H1 and ZB-V steps, measured and '
+      f'predicted]'
       f'({s["png"]})',
       '',
       report.table(['schedule', 'measured span (s)', 'predicted (s)',
@@ -134,7 +154,7 @@ def render(s: dict[str, Any]) -> str:
                     'processes busy at once', 'most micro-batches held per '
                     'stage, measured', 'predicted'], table),
       '',
-      f'- Chrome trace of all six panels: [{s["trace"]}]({s["trace"]}) '
+      f'- Chrome trace of all ten panels: [{s["trace"]}]({s["trace"]}) '
       '(ui.perfetto.dev or chrome://tracing).',
       report.target_lines(s.get('targets', [])),
   ])
