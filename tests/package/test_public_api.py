@@ -110,7 +110,7 @@ def _doc_imports() -> set[tuple[str, str]]:
     for module, names in re.findall(
         r'from (lingvo_pipe[\w.]*) import ([\w, ]+)', text):
       for name in names.split(','):
-        pairs.add((module, name.strip()))
+        pairs.add((module, name.split(' as ')[0].strip()))
   return pairs
 
 
