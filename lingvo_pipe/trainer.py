@@ -66,6 +66,7 @@ from lingvo_pipe.core import progress as progress_lib
 from lingvo_pipe.core import run_summaries
 from lingvo_pipe.core import step_timeline
 from lingvo_pipe.core import summaries
+from lingvo_pipe.core import tied_weights
 from lingvo_pipe.core.hyperparams import Params
 from lingvo_pipe.pipeline import placement
 from lingvo_pipe.pipeline import processes
@@ -126,7 +127,8 @@ class Trainer:
     self.task: base_model.BaseTask = params.task.Instantiate()
     self._vars = list(self.task.trainable_variables)
     self._opt = optimizer.from_params(self._train)
-    self._opt.build(self._vars)
+    # A tied weight's copy: its slots are saved by the owner's process.
+    self._opt.build(self._vars, untracked=tied_weights.copies_in(self.task))
     with tf.device('/device:CPU:0'):
       self.step = tf.Variable(0, dtype=tf.int64, trainable=False,
                               name='global_step')
@@ -164,6 +166,7 @@ class Trainer:
             f'{latest} is the latest checkpoint in '
             f'{os.path.join(self._logdir, checkpoints.STATE_FILE)} but its '
             f'files are gone; {checkpoints.state_fix(self._logdir)}')
+      tied_weights.restore_copies(latest, self.task, self._opt)
       self._latest = latest
       logging.info('Restored %s (step %d).', latest, int(self.step.numpy()))
     return int(self.step.numpy())
@@ -216,7 +219,7 @@ class Trainer:
               [tf.reduce_sum(tf.square(v)) for v in variables])
       grads = tape.gradient(loss, variables)
     norm = self.share.global_norm(  # Every stage's, in every process.
-        tf.linalg.global_norm([g for g in grads if g is not None]))
+        tf.linalg.global_norm(self.share.counted(grads, variables)))
     finite = tf.logical_and(tf.math.is_finite(loss), tf.math.is_finite(norm))
     if train.clip_gradient_norm > 0:
       grads, _ = tf.clip_by_global_norm(grads, train.clip_gradient_norm,

@@ -31,7 +31,7 @@ In one process the walker traces a schedule's steady state once, as a
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import tensorflow as tf
 
@@ -43,7 +43,7 @@ from lingvo_pipe.pipeline import stage_ops
 from lingvo_pipe.pipeline import walker as walker_lib
 from lingvo_pipe.pipeline.stage_ops import Stage
 
-__all__ = ['EngineError', 'Stage', 'run', 'run_with_loss']
+__all__ = ['EngineError', 'Stage', 'TiedLeaf', 'run', 'run_with_loss']
 
 LossFn = Callable[[Any, Any], dict[str, tuple[tf.Tensor, tf.Tensor]]]
 
@@ -203,7 +203,8 @@ def run_with_loss(stages: list[Stage], inputs: tuple[Any, ...], labels: Any,
                   loss_fn: LossFn, schedule: schedule_lib.Schedule,
                   batch_dim: int = 0,
                   placement: placement_lib.Placement | None = None,
-                  specs: walker_lib.Specs | None = None, loop: bool = True
+                  specs: walker_lib.Specs | None = None, loop: bool = True,
+                  ties: Sequence['TiedLeaf'] = ()
                  ) -> dict[str, tuple[tf.Tensor, tf.Tensor]]:
   """The whole step of any schedule: forwards, losses, backwards.
 
@@ -222,6 +223,8 @@ def run_with_loss(stages: list[Stage], inputs: tuple[Any, ...], labels: Any,
     specs: Stage s → its input's per-micro-batch spec (s = #stages: the
       last stage's output); needed when stages run in other processes.
     loop: As for `run`.
+    ties: The local theta leaves that are copies of a weight tied across
+      stage processes (`_tied_sums`).
 
   Returns:
     {name: (weighted mean over the batch of every replica, Σ weight)}.
@@ -248,7 +251,7 @@ def run_with_loss(stages: list[Stage], inputs: tuple[Any, ...], labels: Any,
     metrics = {name: (v[0] / tf.maximum(v[1], 1e-30), v[1])
                for name, v in sums.items()}
     scale = 1.0 / tf.maximum(metrics['loss'][1], 1e-30)
-    grads = _scaled_grads(walker, local, scale)
+    grads = _scaled_grads(walker, local, scale, ties)
     dx_leaves = _input_grads(walker, inputs, scale, batch_dim)
     stats = [walker.stats[s].stats for s in local]
     if placement.num_replicas > 1:  # BatchNorm sums over every replica.
@@ -318,19 +321,76 @@ def _reduced_metrics(walker: walker_lib.Walker, loss_fn: LossFn, labels: Any,
 
 
 def _scaled_grads(walker: walker_lib.Walker, local: list[int],
-                  scale: tf.Tensor) -> list[tf.Tensor]:
+                  scale: tf.Tensor, ties: Sequence['TiedLeaf'] = ()
+                 ) -> list[tf.Tensor]:
   """Each local stage's accumulated gradients ÷ Σ weight, summed over the
-  stage's replicas (one synchronous update for the whole global batch)."""
+  stage's replicas (one synchronous update for the whole global batch);
+  tied weights' copies summed over all copies instead (`_tied_sums`)."""
   placement = walker.placement
   grads = []
   for s in local:
     with tf.device(walker.stages[s].device):
       grads.append([g * tf.cast(scale, g.dtype)
                     for g in tf.nest.flatten(walker.acc[s])])
+  tied = _tied_sums(grads, local, ties, placement)
   if placement.num_replicas > 1:
-    grads = placement.peers.all_reduce(grads, placement.replica_tasks(),
-                                       ('grads', placement.device))
-  return [g for stage_grads in grads for g in stage_grads]
+    grads = placement.peers.all_reduce(
+        [[None if (i, j) in tied else g for j, g in enumerate(stage)]
+         for i, stage in enumerate(grads)],
+        placement.replica_tasks(), ('grads', placement.device))
+  return [tied.get((i, j), g) for i, stage in enumerate(grads)
+          for j, g in enumerate(stage)]
+
+
+# ---- Tied weights across stage processes ------------------------------------
+class TiedLeaf(NamedTuple):
+  """A local stage's theta leaf that is one copy of a tied weight."""
+  stage: int
+  leaf: int  # Its index in tf.nest.flatten(that stage's theta).
+  key: str  # The weight's name, alike in every process (its owner's path).
+  tasks: tuple[int, ...]  # Every task holding a copy: its stages × replicas.
+
+
+def _tied_sums(grads: list[list[tf.Tensor]], local: list[int],
+               ties: Sequence[TiedLeaf],
+               placement: placement_lib.Placement
+              ) -> dict[tuple[int, int], tf.Tensor]:
+  """The gradient of each tied weight, summed over all of its copies.
+
+  A weight that stages in different processes share (an embedding and the
+  softmax tied to it) is one copy per process. The copies must take the
+  same update or they drift apart, so each copy's gradient is replaced by
+  the sum over every copy (both owning stages, every replica): one
+  all-reduce per weight over exactly those tasks. Every member gets the
+  same bits, so the copies stay bit-identical. The caller's per-stage
+  all-reduce over replicas leaves these leaves out: it would count them
+  twice. A weight that two local stages use (interleaved) is summed here
+  first; the sum goes to its first leaf, zeros to the others (the tape
+  adds them up again).
+
+  Args:
+    grads: per local stage (in `local`'s order), its flat gradients.
+    local: the local stages.
+    ties: the tied leaves among them.
+    placement: this process's placement (its peers do the all-reduce).
+
+  Returns:
+    {(index into `local`, leaf): the summed gradient}.
+  """
+  at: dict[str, list[tuple[int, int]]] = {}
+  tasks: dict[str, tuple[int, ...]] = {}
+  for tie in ties:
+    at.setdefault(tie.key, []).append((local.index(tie.stage), tie.leaf))
+    tasks[tie.key] = tie.tasks
+  out = {}
+  for key in sorted(at):  # The same order in every process.
+    first = at[key][0]
+    with tf.device(placement.peers.device):
+      total = tf.add_n([grads[i][j] for i, j in at[key]])
+      total = placement.peers.all_reduce(total, tasks[key], ('tied', key))
+    out[first] = total
+    out.update({p: tf.zeros_like(total) for p in at[key][1:]})
+  return out
 
 
 def _input_grads(walker: walker_lib.Walker, inputs: Any, scale: tf.Tensor,

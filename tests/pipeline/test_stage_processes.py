@@ -91,6 +91,11 @@ def _run(tmp_path, model, k, r, m, schedule, recompute, costs=''):
     ('nested', 2, 1, 4, 'interleaved', 'never'),
     ('nested', 4, 1, 4, '1f1b', 'except_last'),
     ('conv_bn', 2, 1, 4, 'gpipe', 'needed'),  # Kept F3 on both stages.
+    # A softmax tied to the embedding: each end holds a copy, and its
+    # gradient is the sum over both copies (and replicas).
+    ('tied', 2, 1, 4, '1f1b', 'always'),
+    ('tied', 2, 2, 2, 'gpipe', 'always'),
+    ('tied', 4, 1, 4, '1f1b', 'except_last'),
 ])
 def test_stage_processes_equal_one_process(tmp_path, model, k, r, m,
                                            schedule, recompute):
