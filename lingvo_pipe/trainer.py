@@ -114,7 +114,8 @@ _TIMELINE_STEPS = flags.DEFINE_list(
     'timeline_steps', [], 'Steps (counted from 1, e.g. 10 or 10,500) to '
     'record with the pipeline engine\'s timestamps: writes logdir/timeline/'
     'step_<s>.trace.json (chrome://tracing) and step_<s>.png (needs '
-    'lingvo_pipe[plots]).')
+    'lingvo_pipe[plots]); on a cluster, every stage process\'s ops in one '
+    'picture.')
 
 
 class Trainer:
@@ -412,11 +413,8 @@ def _prepare(params: Params, logdir: str):
   dataset = generator.TrainDataset(0)  # Builds (lazily): checks batch size.
   # Partition, devices, FPropMeta shapes.
   trainer = Trainer(params, logdir, _timeline_steps())
-  trainer.share.check_batch_size(params.input.batch_size, 'input')
-  if trainer.share.multi_process and _TIMELINE_STEPS.value:
-    raise _cli.UserError('--timeline_steps records one process\'s step; in a '
-                         'multi-process run use tools/benchmark.py '
-                         'timeline, or run this model in one process.')
+  for size in generator.TrainBatchSizes():  # Length buckets: one each.
+    trainer.share.check_batch_size(size, 'input')
   preflight.check_train_batches(trainer.task, generator, dataset.element_spec)
   return trainer, generator
 

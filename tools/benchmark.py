@@ -8,7 +8,8 @@ Sub-commands (sections.py): efficiency, overlap, table1, peer, slices
 (issue 9: stage processes, data parallelism, GPipe Table 1, torch's
 pipelining, the compute threads' scheduler slice);
 schedules, fidelity, partition, overheads, timeline (issue 10: 1F1B vs
-GPipe, the simulator, profiled partitions, tracing, pictures). Each writes
+GPipe, the simulator, profiled partitions, tracing, pictures); mt_timeline
+(issue 26: a translation step on 2 stage processes). Each writes
 its section into docs/benchmarks.json and re-renders docs/benchmarks.md
 (plus PNGs) from it. `all` runs each sub-command in its own child process,
 so the allocator and TF runtime of one section cannot leak into the next;

@@ -150,7 +150,8 @@ class PipeliningLayer(base_layer.BaseLayer):
     self._devices = self._Devices()
     self._CreateStages()
     self._schedules: dict[int, schedule_lib.Schedule] = {}
-    self._metas: dict[Any, list[base_layer.LayerMeta]] = {}  # By shapes.
+    # FPropMeta by input shapes (length buckets); not checkpointed.
+    object.__setattr__(self, '_metas', {})
 
   # ---- Construction --------------------------------------------------------
   def _Devices(self) -> list[str]:

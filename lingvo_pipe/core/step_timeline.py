@@ -22,6 +22,14 @@ step's own median op durations (`timeline.calibrated_costs`), so the two
 panels differ where the real step leaves the schedule (transfers, dispatch
 gaps). Tracing the second function costs about as much as the first step.
 Step 1 cannot be warmed up and shows one-off start-up work.
+
+On a cluster (stage processes, replicas) each task records its own
+stages; the recorded step then sums every task's stamps, laid out as one
+[stages, micro-batches, F/R/B, start/end] array (zeros where another task
+ran the op, and in every replica but the first), in one all-reduce, and the
+chief writes the merged picture. Its times are each process's clock: one
+host's processes share it; across hosts the picture is as good as their
+clocks agree (NTP: about a millisecond).
 """
 
 from __future__ import annotations
@@ -98,16 +106,35 @@ class TimelineSteps:
     self._keys = [(int(k), int(m), str(kind)) for k, m, kind, _, _ in ops]
     stamps = (tf.stack([tf.stack([s, e]) for *_, s, e in ops]) if ops else
               tf.zeros([0, 2], tf.float64))
+    if self._pipeline.placement.multi_process:
+      stamps = self._merged(stamps)
     return tuple(outputs) + (stamps,)
 
+  def _merged(self, stamps: tf.Tensor) -> tf.Tensor:
+    """Every task's stamps of replica 0: [stages·M·3, 2] (zeros: no op)."""
+    place = self._pipeline.placement
+    num_micro = max((m for _, m, _ in self._keys), default=0) + 1
+    shape = [self._pipeline.plan.num_stages, num_micro, len(timeline.KINDS)]
+    dense = tf.scatter_nd(
+        [[k, m, timeline.KINDS.index(kind)] for k, m, kind in self._keys],
+        stamps, shape + [2]) if self._keys else tf.zeros(shape + [2],
+                                                         tf.float64)
+    if place.replica:  # Each replica records its own step: show the first.
+      dense = tf.zeros_like(dense)
+    merged = place.peers.all_reduce(dense, place.all_tasks(), ('timeline',))
+    self._keys = [(k, m, kind) for k in range(shape[0])
+                  for m in range(num_micro) for kind in timeline.KINDS]
+    return tf.reshape(merged, [-1, 2])
+
   def run(self, step: int, batch: Any) -> tuple[Any, ...]:
-    """Runs training step `step` recorded; writes its files; returns the
-    train step's outputs."""
+    """Runs training step `step` recorded; the chief writes its files;
+    returns the train step's outputs."""
     *outputs, stamps = _without_op_determinism(self._fn, batch)
     records = [timeline.Record(k, m, kind, float(s), float(e))
-               for (k, m, kind), (s, e) in zip(self._keys, stamps.numpy())]
-    if step not in self._steps:
-      pass  # The warm-up run before a chosen step.
+               for (k, m, kind), (s, e) in zip(self._keys, stamps.numpy())
+               if e > 0]  # Merged: the ops nobody ran are zeros.
+    if step not in self._steps or self._pipeline.placement.peers.task:
+      pass  # The warm-up run before a chosen step, or not the chief.
     elif records:
       self._write(step, timeline.normalized(records))
     else:  # Inference-only or K=1 paths record nothing.

@@ -168,9 +168,12 @@ class Peers:
         if x is None:
           continue
         x = tf.convert_to_tensor(x)
-        group, instance = self._keys(
-            _transfer(key, leaf, self.task, to_task), key,
-            (self.task, to_task), ('p2p', self.task, to_task, leaf))
+        if not x.shape.is_fully_defined():  # The receiver's spec has one.
+          raise CollectiveError(f'send(key={key!r}) leaf {leaf}: shape '
+                                f'{x.shape} is not static (tf.ensure_shape).')
+        group, instance = self._keys(  # TF fixes an instance key's shape:
+            _transfer(key, leaf, self.task, to_task), key,  # one per bucket.
+            (self.task, to_task), ('p2p', self.task, to_task, leaf, *x.shape))
         op = tf.raw_ops.CollectiveBcastSendV2(
             input=_widen(x, key), group_size=2, group_key=group,
             instance_key=instance, timeout_seconds=self._op_timeout_s,
@@ -214,7 +217,7 @@ class Peers:
               'static shape (micro-batch size included) in the spec.')
         group, instance = self._keys(
             _transfer(key, leaf, from_task, self.task), key,
-            (from_task, self.task), ('p2p', from_task, self.task, leaf))
+            (from_task, self.task), ('p2p', from_task, self.task, leaf, *shape))
         x = tf.raw_ops.CollectiveBcastRecvV2(
             group_size=2, group_key=group,
             instance_key=instance if ready is None else instance + ready,

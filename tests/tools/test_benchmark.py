@@ -60,10 +60,13 @@ _EXPECTED = {
                   'tracing time M=64 ÷ M=8, FPropLoss 1f1b'],
     'timeline': ['timeline_k2_m8.png', 'timeline_k2_m8.trace.json',
                  'most micro-batches held per stage'],
+    'mt_timeline': ['timeline_mt_k2.png', 'timeline_mt_k2.trace.json',
+                    'both processes busy at once'],
 }
 _FILES = {'table1': ['table1.png'], 'schedules': ['schedules_memory.png'],
           'fidelity': ['fidelity.png'],
-          'timeline': ['timeline_k2_m8.png', 'timeline_k2_m8.trace.json']}
+          'timeline': ['timeline_k2_m8.png', 'timeline_k2_m8.trace.json'],
+          'mt_timeline': ['timeline_mt_k2.png', 'timeline_mt_k2.trace.json']}
 
 
 def _alive(pid):

@@ -8,6 +8,7 @@ from typing import Any
 from bench import common
 from bench import efficiency
 from bench import fidelity
+from bench import mt_timeline
 from bench import overheads
 from bench import overlap
 from bench import partition_bench
@@ -36,6 +37,8 @@ _SECTIONS = {
     'overheads': ('Issue 10 — overheads and tracing time', overheads),
     'timeline': ('Issue 10 — timelines of one step per schedule',
                  timeline_bench),
+    'mt_timeline': ('Issue 26 — a translation step on 2 stage processes '
+                    '(--timeline_steps, merged)', mt_timeline),
 }
 NAMES = tuple(_SECTIONS)
 TITLES = tuple(title for title, _ in _SECTIONS.values())
