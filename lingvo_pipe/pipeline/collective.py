@@ -224,6 +224,7 @@ class Peers:
             shape=shape.as_list(), T=_wire_dtype(dtype, key),
             timeout_seconds=self._op_timeout_s,
             name=f'lp_recv_g{group}_i{instance}')
+        _run_even_if_unused(x)  # Else pruned if unread: its sender hangs.
         out.append(tf.cast(x, dtype) if x.dtype != dtype else x)
     return tf.nest.pack_sequence_as(spec, out)
 
