@@ -303,6 +303,9 @@ class Trainer:
   def _write_summaries(self, writer, step, metrics, norm, lr,
                        examples_per_sec: float) -> None:
     values = {name: value for name, (value, _) in metrics.items()}
+    if 'log_pplx' in values:  # A token mean: its exponential, the step's.
+      values['perplexity'] = tf.exp(tf.minimum(
+          tf.cast(values['log_pplx'], tf.float32), 80.0))
     values.update(learning_rate=lr, grad_global_norm=norm,
                   examples_per_sec=examples_per_sec)
     values.update(self.task.Summaries())

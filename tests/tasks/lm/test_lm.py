@@ -70,6 +70,13 @@ def test_small_configs_train_and_evaluate(cls, lm_data, tmp_path):
   writer.close()
   after = [v.numpy() for v in run.task.trainable_variables]
   assert all(not np.array_equal(a, b) for a, b in zip(after, before))
+  # The trainer's summaries: log-perplexity and perplexity of the step.
+  logged = {v.tag: float(tf.make_ndarray(v.tensor))
+            for path in (tmp_path / 'train').glob('events*')
+            for event in tf.compat.v1.train.summary_iterator(str(path))
+            for v in event.summary.value}
+  assert logged['perplexity'] == pytest.approx(math.exp(logged['log_pplx']),
+                                               rel=1e-5)
   # Evaluation: the token mean over the split and its exponential.
   gen = params.input.Copy().Set(split='test').Instantiate()
   agg = run.task.CreateEvalAggregator()

@@ -113,7 +113,8 @@ def test_transformer_small_on_stage_processes_equals_one_process(
   assert _max_diff(alone, _read(tmp_path / 'replicas' / 'ckpt-20')) <= 1e-5
 
   # Resumed on K=4 stage processes, as one process resumes on K=4.
-  _alone(mt_data, tmp_path / 'alone', 30, 4, '--force')
+  _alone(mt_data, tmp_path / 'alone', 30, 4, '--force',
+         '--num_logical_cpu_devices=4')
   _launched(mt_data, tmp_path / 'staged', 30, 4, 1, '--force')
   assert _max_diff(_read(tmp_path / 'alone' / 'ckpt-30'),
                    _read(tmp_path / 'staged' / 'ckpt-30')) <= 1e-5
