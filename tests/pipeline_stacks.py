@@ -12,8 +12,11 @@ import numpy as np
 import tensorflow as tf
 
 from lingvo_pipe.core import base_layer
+from lingvo_pipe.core import base_model
+from lingvo_pipe.core import cluster_share
 from lingvo_pipe.core import fprop_context
 from lingvo_pipe.core import gpipe
+from lingvo_pipe.core import optimizer
 from lingvo_pipe.core import tied_weights
 from lingvo_pipe.core.nested_map import NestedMap
 from lingvo_pipe.layers import conv
@@ -241,3 +244,34 @@ def weighted_loss(outputs, labels):
   return {'loss': (tf.reduce_sum(per * w) / total, total),
           'abs_mean': (tf.reduce_mean(tf.abs(x)), tf.cast(tf.size(x),
                                                           x.dtype))}
+
+
+def train(net, inputs, labels, steps: int) -> dict:
+  """The trainer's update of `net` for `steps` steps of `weighted_loss`,
+  here or in a stage process: SGD with momentum (which, unlike Adam, feels
+  the clipping), gradients clipped at a global norm of 1 that counts a tied
+  weight once. Returns {'values': {variable name: weights}, 'norms': the
+  global norm of each step}."""
+  variables = list(net.trainable_variables)
+  copies = tied_weights.copies_in(net)
+  share = cluster_share.Share(net.placement, copies)
+  opt = optimizer.from_params(base_model.BaseTask.Params().train.Set(
+      optimizer='sgd', momentum=0.9))
+  opt.build(variables, untracked=copies)
+
+  @tf.function(autograph=False)
+  def step(i):
+    with tf.GradientTape() as tape:
+      with fprop_context.scope(training=True, step=i):
+        loss = net.FPropLoss(net.theta, inputs, labels,
+                             weighted_loss)['loss'][0]
+    grads = tape.gradient(loss, variables)
+    norm = share.global_norm(tf.linalg.global_norm(
+        share.counted(grads, variables)))
+    grads, _ = tf.clip_by_global_norm(grads, 1.0, use_norm=norm)
+    opt.apply(grads, variables, 0.05, i)
+    return norm
+
+  norms = [float(step(tf.constant(i, tf.int64))) for i in range(steps)]
+  return {'values': {v.name: np.asarray(v).tolist() for v in variables},
+          'norms': norms}

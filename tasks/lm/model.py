@@ -25,8 +25,8 @@ from lingvo_pipe.core import pipelined_task
 from lingvo_pipe.core import tied_weights
 from lingvo_pipe.core.hyperparams import InstantiableParams, Params
 from lingvo_pipe.core.nested_map import NestedMap
-from lingvo_pipe.layers import softmax
 from lingvo_pipe.pipeline import plan as plan_lib
+from lingvo_pipe.tasks.mt import model as mt_model
 
 # GPipe (Huang et al., 2019), Table 1: Transformer-L on TPUv3 (16 GB),
 # (configuration, layers, parameters).
@@ -78,20 +78,8 @@ class LanguageModelTask(pipelined_task.PipelinedTask):
                   batch: NestedMap) -> base_model.Metrics:
     """Token means, each weighted by the number of (unpadded) tokens."""
     del theta
-    weights = 1.0 - tf.cast(batch.paddings, tf.float32)
-    log_pplx, num_tokens = softmax.mean_softmax_cross_entropy(
-        predictions, batch.labels, weights)
-    loss = log_pplx
-    if self.params.label_smoothing > 0:
-      loss, _ = softmax.mean_softmax_cross_entropy(
-          predictions, batch.labels, weights, self.params.label_smoothing)
-    hits = tf.cast(tf.equal(tf.argmax(predictions, -1, output_type=tf.int32),
-                            tf.cast(batch.labels, tf.int32)), tf.float32)
-    accuracy = tf.math.divide_no_nan(tf.reduce_sum(hits * weights),
-                                     num_tokens)
-    return {'loss': (loss, num_tokens),
-            'log_pplx': (tf.stop_gradient(log_pplx), num_tokens),
-            'token_accuracy': (accuracy, num_tokens)}
+    return mt_model.token_metrics(predictions, batch.labels, batch.paddings,
+                                  self.params.label_smoothing)
 
   def CreateEvalAggregator(self) -> 'PerplexityAggregator':
     return PerplexityAggregator()

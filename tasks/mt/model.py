@@ -114,6 +114,25 @@ def pipeline_inputs(batch: NestedMap) -> tuple[tf.Tensor, ...]:
           tf.cast(batch.tgt_paddings, tf.float32))
 
 
+def token_metrics(logits: tf.Tensor, labels: tf.Tensor, paddings: tf.Tensor,
+                  label_smoothing: float) -> base_model.Metrics:
+  """A sequence model's metrics: token means, each weighted by the number
+  of unpadded tokens: the training loss (label-smoothed), its unsmoothed
+  log-perplexity, and the argmax's accuracy."""
+  weights = 1.0 - tf.cast(paddings, tf.float32)
+  loss, num_tokens = softmax.mean_softmax_cross_entropy(
+      logits, labels, weights, label_smoothing)
+  log_pplx = loss
+  if label_smoothing > 0:
+    log_pplx, _ = softmax.mean_softmax_cross_entropy(logits, labels, weights)
+  hits = tf.cast(tf.equal(tf.argmax(logits, -1, output_type=tf.int32),
+                          tf.cast(labels, tf.int32)), tf.float32)
+  accuracy = tf.math.divide_no_nan(tf.reduce_sum(hits * weights), num_tokens)
+  return {'loss': (loss, num_tokens),
+          'log_pplx': (tf.stop_gradient(log_pplx), num_tokens),
+          'token_accuracy': (accuracy, num_tokens)}
+
+
 class TranslationTask(pipelined_task.PipelinedTask):
   """Source ids → target logits through `p.pipeline`; decodes in eval."""
 
@@ -157,19 +176,8 @@ class TranslationTask(pipelined_task.PipelinedTask):
                   batch: NestedMap) -> base_model.Metrics:
     """Token means, each weighted by the number of target tokens."""
     del theta
-    weights = 1.0 - tf.cast(batch.tgt_paddings, tf.float32)
-    labels = batch.tgt_labels
-    loss, num_tokens = softmax.mean_softmax_cross_entropy(
-        predictions, labels, weights, self.params.label_smoothing)
-    log_pplx, _ = softmax.mean_softmax_cross_entropy(predictions, labels,
-                                                     weights)
-    hits = tf.cast(tf.equal(tf.argmax(predictions, -1, output_type=tf.int32),
-                            tf.cast(labels, tf.int32)), tf.float32)
-    accuracy = tf.math.divide_no_nan(tf.reduce_sum(hits * weights),
-                                     num_tokens)
-    return {'loss': (loss, num_tokens),
-            'log_pplx': (tf.stop_gradient(log_pplx), num_tokens),
-            'token_accuracy': (accuracy, num_tokens)}
+    return token_metrics(predictions, batch.tgt_labels, batch.tgt_paddings,
+                         self.params.label_smoothing)
 
   # ---- Decoding ------------------------------------------------------------
   def Decode(self, theta: NestedMap, src_ids: tf.Tensor,

@@ -34,8 +34,8 @@ _COSTS = flags.DEFINE_string('costs', '', "'profile': p.costs='profile' "
                              '(each process profiles); else FPropMeta flops.')
 _OUT = flags.DEFINE_string('out', '', 'Where the JSON goes.')
 _TRAIN_STEPS = flags.DEFINE_integer(
-    'train_steps', 0, 'Instead: train this many steps (Adam, gradients '
-    'clipped at global norm 1, as the trainer does) and write the weights.')
+    'train_steps', 0, 'Instead: train this many steps (pipeline_stacks.'
+    'train: the trainer\'s clipping) and write the weights and norms.')
 
 
 def _step(net, inputs, labels, loss_fn):
@@ -51,39 +51,6 @@ def _step(net, inputs, labels, loss_fn):
     grads = tape.gradient(metrics['loss'][0], net.trainable_variables)
     return metrics, grads, collector.stats
   return step
-
-
-def _train(net, inputs, labels, loss_fn, steps):
-  """The trainer's update on `net` for `steps` steps: {name: weights}."""
-  import numpy as np  # pylint: disable=g-import-not-at-top
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  from lingvo_pipe.core import base_model  # pylint: disable=g-import-not-at-top
-  from lingvo_pipe.core import cluster_share  # pylint: disable=g-import-not-at-top
-  from lingvo_pipe.core import fprop_context  # pylint: disable=g-import-not-at-top
-  from lingvo_pipe.core import optimizer  # pylint: disable=g-import-not-at-top
-  from lingvo_pipe.core import tied_weights  # pylint: disable=g-import-not-at-top
-  variables = list(net.trainable_variables)
-  copies = tied_weights.copies_in(net)
-  share = cluster_share.Share(net.placement, copies)
-  opt = optimizer.from_params(base_model.BaseTask.Params().train.Set(
-      optimizer='adam', learning_rate=0.05))
-  opt.build(variables, untracked=copies)
-
-  @tf.function(autograph=False)
-  def step(i):
-    with tf.GradientTape() as tape:
-      with fprop_context.scope(training=True, step=i):
-        loss = net.FPropLoss(net.theta, inputs, labels, loss_fn)['loss'][0]
-    grads = tape.gradient(loss, variables)
-    norm = share.global_norm(tf.linalg.global_norm(
-        share.counted(grads, variables)))
-    grads, _ = tf.clip_by_global_norm(grads, 1.0, use_norm=norm)
-    opt.apply(grads, variables, 0.05, i)
-    return loss
-
-  for i in range(steps):
-    step(tf.constant(i, tf.int64))
-  return {v.name: np.asarray(v).tolist() for v in variables}
 
 
 def main(argv):
@@ -105,8 +72,7 @@ def main(argv):
     labels = labels.Transform(lambda x: x[r * n:(r + 1) * n])
     if _TRAIN_STEPS.value:
       with open(_OUT.value, 'w') as f:
-        json.dump({'values': _train(net, inputs, labels, stacks.weighted_loss,
-                                    _TRAIN_STEPS.value)}, f)
+        json.dump(stacks.train(net, inputs, labels, _TRAIN_STEPS.value), f)
       return
     step = _step(net, inputs, labels, stacks.weighted_loss)
     for _ in range(2):  # The same keys on every step.
