@@ -34,6 +34,7 @@ clocks agree (NTP: about a millisecond).
 
 from __future__ import annotations
 
+import collections
 import os
 from typing import Any, Callable, Sequence
 
@@ -91,7 +92,7 @@ class TimelineSteps:
     self._dir = os.path.join(logdir, TIMELINE_DIR)
     self._steps = set(steps)
     self._train_step = train_step
-    self._keys: list[tuple[int, int, str]] = []
+    self._keys: list[Any] = []
     self._fn = tf.function(self._recorded_step, autograph=False)
 
   def wants(self, step: int) -> bool:
@@ -103,36 +104,40 @@ class TimelineSteps:
   def _recorded_step(self, batch: Any) -> tuple[Any, ...]:
     ops: list[Any] = []
     outputs = self._train_step(batch, timeline=ops)
-    self._keys = [(int(k), int(m), str(kind)) for k, m, kind, _, _ in ops]
-    stamps = (tf.stack([tf.stack([s, e]) for *_, s, e in ops]) if ops else
-              tf.zeros([0, 2], tf.float64))
+    self._keys, stamps = timeline.stamps(ops)
     if self._pipeline.placement.multi_process:
       stamps = self._merged(stamps)
     return tuple(outputs) + (stamps,)
 
   def _merged(self, stamps: tf.Tensor) -> tf.Tensor:
-    """Every task's stamps of replica 0: [stages·M·3, 2] (zeros: no op)."""
+    """Every task's stamps of replica 0, as `timeline.stamps` gives them:
+    one row per (stage, micro-batch, F/R/B), zeros where no op ran."""
     place = self._pipeline.placement
-    num_micro = max((m for _, m, _ in self._keys), default=0) + 1
+    counts = collections.Counter(self._keys)  # Each op once per micro-batch.
+    num_micro = max(counts.values(), default=1)
     shape = [self._pipeline.plan.num_stages, num_micro, len(timeline.KINDS)]
-    dense = tf.scatter_nd(
-        [[k, m, timeline.KINDS.index(kind)] for k, m, kind in self._keys],
-        stamps, shape + [2]) if self._keys else tf.zeros(shape + [2],
-                                                         tf.float64)
-    if place.replica:  # Each replica records its own step: show the first.
-      dense = tf.zeros_like(dense)
+    dense = tf.zeros(shape + [2], tf.float64)
+    if self._keys and not place.replica:  # Replicas: show the first only.
+      where = tf.stack([
+          tf.constant([k for k, _ in self._keys]),
+          tf.cast(stamps[:, 0], tf.int32),
+          tf.constant([timeline.KINDS.index(kind) for _, kind in self._keys])
+      ], axis=1)
+      dense = tf.scatter_nd(where, stamps[:, 1:], shape + [2])
     merged = place.peers.all_reduce(dense, place.all_tasks(), ('timeline',))
-    self._keys = [(k, m, kind) for k in range(shape[0])
-                  for m in range(num_micro) for kind in timeline.KINDS]
-    return tf.reshape(merged, [-1, 2])
+    self._keys = [(k, kind) for k in range(shape[0])
+                  for _ in range(num_micro) for kind in timeline.KINDS]
+    micro = tf.constant([[float(m)] for _ in range(shape[0])
+                         for m in range(num_micro) for _ in timeline.KINDS],
+                        tf.float64)
+    return tf.concat([micro, tf.reshape(merged, [-1, 2])], 1)
 
   def run(self, step: int, batch: Any) -> tuple[Any, ...]:
     """Runs training step `step` recorded; the chief writes its files;
     returns the train step's outputs."""
     *outputs, stamps = _without_op_determinism(self._fn, batch)
-    records = [timeline.Record(k, m, kind, float(s), float(e))
-               for (k, m, kind), (s, e) in zip(self._keys, stamps.numpy())
-               if e > 0]  # Merged: the ops nobody ran are zeros.
+    records = [r for r in timeline.from_stamps(self._keys, stamps.numpy())
+               if r.end > 0]  # Merged: the ops nobody ran are zeros.
     if step not in self._steps or self._pipeline.placement.peers.task:
       pass  # The warm-up run before a chosen step, or not the chief.
     elif records:

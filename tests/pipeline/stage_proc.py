@@ -36,6 +36,8 @@ _OUT = flags.DEFINE_string('out', '', 'Where the JSON goes.')
 _TRAIN_STEPS = flags.DEFINE_integer(
     'train_steps', 0, 'Instead: train this many steps (pipeline_stacks.'
     'train: the trainer\'s clipping) and write the weights and norms.')
+_GRAPH_OUT = flags.DEFINE_string('graph_out', '', 'Where the traced step\'s '
+                                 'GraphDef goes (with its functions).')
 
 
 def _step(net, inputs, labels, loss_fn):
@@ -75,6 +77,10 @@ def main(argv):
         json.dump(stacks.train(net, inputs, labels, _TRAIN_STEPS.value), f)
       return
     step = _step(net, inputs, labels, stacks.weighted_loss)
+    if _GRAPH_OUT.value:
+      with open(_GRAPH_OUT.value, 'wb') as f:
+        f.write(step.get_concrete_function().graph.as_graph_def()
+                .SerializeToString())
     for _ in range(2):  # The same keys on every step.
       metrics, grads, stats = step()
     out = {

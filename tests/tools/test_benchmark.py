@@ -53,6 +53,9 @@ _EXPECTED = {
                   'schedules_memory.png'],
     'fidelity': ['| K | M | schedule | measured step (s) | predicted (s) |',
                  'round 1: worst |predicted ÷ measured − 1|', 'fidelity.png'],
+    'tracing': ['| round | schedule | ops M=2 | ops M=8',
+                'gpipe: graph ops at M=8 ÷ M=2 − 1',
+                '1f1b: tracing + first step at M=8 ÷ M=2'],
     'partition': ['| K | partition by | boundaries',
                   'profile partition, K=2'],
     'overheads': ['| step | time (s) |', 'hand-written',
@@ -62,6 +65,8 @@ _EXPECTED = {
                  'most micro-batches held per stage'],
     'mt_timeline': ['timeline_mt_k2.png', 'timeline_mt_k2.trace.json',
                     'both processes busy at once'],
+    'keras': ['| network | first call (s) | step (s) |', '| wrapped Keras |',
+              'wrapped Keras ÷ lingvo_pipe layers, step time'],
 }
 _FILES = {'table1': ['table1.png'], 'schedules': ['schedules_memory.png'],
           'fidelity': ['fidelity.png'],

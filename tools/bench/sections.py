@@ -8,6 +8,7 @@ from typing import Any
 from bench import common
 from bench import efficiency
 from bench import fidelity
+from bench import keras_bench
 from bench import mt_timeline
 from bench import overheads
 from bench import overlap
@@ -19,25 +20,29 @@ from bench import schedules
 from bench import slices
 from bench import table1
 from bench import timeline_bench
+from bench import tracing
 
 # name: (title, module with run(args) and render(section)).
 _SECTIONS = {
-    'efficiency': ('Issue 9 — efficiency of K=2 stage processes, and data '
-                   'parallelism (GPipe Table 2)', efficiency),
-    'overlap': ('Issue 9 — overlap of K=3 and K=4 stage processes', overlap),
-    'table1': ('Issue 9 — largest trainable model per memory budget, '
-               'measured (GPipe Table 1)', table1),
-    'peer': ('Issue 9 — peer: torch.distributed.pipelining', peer),
-    'slices': ('Issue 9 — stage processes: the compute threads\' scheduler '
-               'slice', slices),
-    'schedules': ('Issue 10 — schedules: activation memory and step time '
-                  '(1F1B vs GPipe)', schedules),
-    'fidelity': ('Issue 10 — simulator fidelity', fidelity),
-    'partition': ('Issue 10 — profile-driven partitioning', partition_bench),
-    'overheads': ('Issue 10 — overheads and tracing time', overheads),
-    'timeline': ('Issue 10 — timelines of one step per schedule',
-                 timeline_bench),
-    'mt_timeline': ('Issue 26 — a translation step on 2 stage processes '
+    'efficiency': ('Efficiency of K=2 stage processes, and data parallelism '
+                   '(GPipe Table 2)', efficiency),
+    'overlap': ('Overlap of K=3 and K=4 stage processes', overlap),
+    'table1': ('Largest trainable model per memory budget, measured (GPipe '
+               'Table 1)', table1),
+    'peer': ('Beside torch.distributed.pipelining', peer),
+    'slices': ('Stage processes: the compute threads\' scheduler slice',
+               slices),
+    'schedules': ('Schedules: activation memory and step time (1F1B vs '
+                  'GPipe)', schedules),
+    'fidelity': ('Simulator fidelity', fidelity),
+    'partition': ('Profile-driven partitioning', partition_bench),
+    'overheads': ('Overheads and tracing time in one process', overheads),
+    'tracing': ('Tracing and graph size of stage processes as M grows',
+                tracing),
+    'timeline': ('Timelines of one step per schedule', timeline_bench),
+    'keras': ('A wrapped Keras CNN vs the same network in lingvo_pipe '
+              'layers', keras_bench),
+    'mt_timeline': ('A translation step on 2 stage processes '
                     '(--timeline_steps, merged)', mt_timeline),
 }
 NAMES = tuple(_SECTIONS)
