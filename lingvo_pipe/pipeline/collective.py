@@ -168,12 +168,9 @@ class Peers:
         if x is None:
           continue
         x = tf.convert_to_tensor(x)
-        if not x.shape.is_fully_defined():  # The receiver's spec has one.
-          raise CollectiveError(f'send(key={key!r}) leaf {leaf}: shape '
-                                f'{x.shape} is not static (tf.ensure_shape).')
-        group, instance = self._keys(  # TF fixes an instance key's shape:
-            _transfer(key, leaf, self.task, to_task), key,  # one per bucket.
-            (self.task, to_task), ('p2p', self.task, to_task, leaf, *x.shape))
+        group, instance = self._keys(
+            _transfer(key, leaf, self.task, to_task), key,
+            (self.task, to_task), ('p2p', self.task, to_task, leaf))
         op = tf.raw_ops.CollectiveBcastSendV2(
             input=_widen(x, key), group_size=2, group_key=group,
             instance_key=instance, timeout_seconds=self._op_timeout_s,
@@ -217,14 +214,14 @@ class Peers:
               'static shape (micro-batch size included) in the spec.')
         group, instance = self._keys(
             _transfer(key, leaf, from_task, self.task), key,
-            (from_task, self.task), ('p2p', from_task, self.task, leaf, *shape))
+            (from_task, self.task), ('p2p', from_task, self.task, leaf))
         x = tf.raw_ops.CollectiveBcastRecvV2(
             group_size=2, group_key=group,
             instance_key=instance if ready is None else instance + ready,
             shape=shape.as_list(), T=wire_dtype(dtype, key),
             timeout_seconds=self._op_timeout_s,
             name=f'lp_recv_g{group}_i{instance}')
-        _run_even_if_unused(x)  # Else pruned if unread: its sender hangs.
+        dependency.independent([x])  # Else pruned if unread: sender hangs.
         out.append(tf.cast(x, dtype) if x.dtype != dtype else x)
     return tf.nest.pack_sequence_as(spec, out)
 
