@@ -79,7 +79,8 @@ def run_binary(main: Callable[[list[str]], None], program: str,
 
 @contextlib.contextmanager
 def exit_on_user_error(program: str) -> Iterator[None]:
-  """Turns a user error into one stderr line and exit status 2, and
+  """Turns a user error into one stderr line and exit status 2 (or the
+  error's own `exit_status`: 75 for a peer that did not answer), and
   `RunStopped` into its exit status."""
   try:
     yield
@@ -88,7 +89,7 @@ def exit_on_user_error(program: str) -> Iterator[None]:
     sys.stderr.flush()
     sys.stderr.write(f'{program}: error: {line}\n')
     sys.stderr.flush()
-    sys.exit(2)
+    sys.exit(getattr(e, 'exit_status', 2))
   except RunStopped as e:
     if str(e):
       sys.stderr.write(f'{program}: {" ".join(str(e).split())}\n')

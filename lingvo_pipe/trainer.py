@@ -435,6 +435,7 @@ def _main(argv: list[str]) -> None:
       runtime = processes.start(
           cluster, collective_timeout_s=flags.FLAGS.collective_timeout_secs,
           peer_timeout_s=flags.FLAGS.peer_timeout_secs,
+          unreachable_s=flags.FLAGS.peer_unreachable_secs,
           compute_slice_us=flags.FLAGS.compute_slice_us)
       placement.use(runtime.peers)
     if _DETERMINISTIC.value:

@@ -8,8 +8,10 @@ Sub-commands (sections.py), one per topic: stage processes and data
 parallelism (efficiency, overlap, table1, peer, slices); schedules and
 their cost (schedules, fidelity, partition, overheads, tracing, timeline);
 Keras models (keras: a wrapped Keras CNN vs the same network in
-lingvo_pipe layers); mt_timeline (a translation step on 2 stage
-processes, --timeline_steps merged). Each writes
+lingvo_pipe layers); several hosts (links: K=2 over rate-limited links
+between hosts made of network namespaces, as root; the simulator at scale
+on paper); mt_timeline (a translation step on 2 stage processes,
+--timeline_steps merged). Each writes
 its section into docs/benchmarks.json and re-renders docs/benchmarks.md
 (plus PNGs) from it. `all` runs each sub-command in its own child process,
 so the allocator and TF runtime of one section cannot leak into the next;

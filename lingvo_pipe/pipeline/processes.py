@@ -12,9 +12,11 @@ or many) calls `start` first thing, before any TensorFlow op:
 Lingvo's convention, else TensorFlow's `TF_CONFIG`), pins the process to its
 cores with matching thread pools, starts this task's TF server with
 collective ops enabled (what MultiWorkerMirroredStrategy does), waits until
-every peer answers, meets them in a barrier, and starts a `Watchdog`. A
-task that never comes up, a port already taken, and a peer that dies later
-each end in one line naming the task and its address, not in a hang.
+every peer answers, starts a `Watchdog` and meets the peers in a barrier. A
+task that never answers (`--peer_timeout_secs`), a port already taken, and
+a peer that dies or becomes unreachable later (`--peer_unreachable_secs`,
+from the barrier on) each end in one line naming the task and its address,
+not in a hang.
 
 Why this way (measured on TF 2.21, 127.0.0.1):
 - Multi-controller: each process runs its own `tf.function`s. The eager
@@ -131,17 +133,20 @@ def cluster_from(cluster_spec: str = '', job: str = DEFAULT_JOB,
 
 def start(config: ClusterConfig | None, *, cores: Sequence[int] | None = None,
           collective_timeout_s: float = 300.0, peer_timeout_s: float = 120.0,
-          watchdog: bool = True, op_timeouts: bool = False,
-          compute_slice_us: int = 0) -> 'Runtime':
+          unreachable_s: float = 10.0, watchdog: bool = True,
+          op_timeouts: bool = False, compute_slice_us: int = 0) -> 'Runtime':
   """Starts this task of the run; call it before any TensorFlow op.
 
   Args:
     config: from `cluster_from`; None for a single process.
     cores: pin this process to these CPUs (else keep the inherited mask,
       e.g. the launcher's one core). Thread pools follow the mask.
-    collective_timeout_s: `Peers.timeout_s`: a step (or the start-up and
-      shutdown barriers) that takes longer ends the process.
-    peer_timeout_s: how long to wait for every peer to come up.
+    collective_timeout_s: `Peers.timeout_s`: a step (or the shutdown
+      barrier) that takes longer ends the process.
+    peer_timeout_s: how long to wait for every peer to answer, and for the
+      start-up barrier.
+    unreachable_s: a peer silent this long (a network partition) ends the
+      process (`Watchdog`); watched from the start-up barrier on.
     watchdog: watch the peers and exit when one dies.
     op_timeouts: give every collective op the TF timeout (a failure then
       names the op's key and peer), at the cost of a thread per op for the
@@ -151,7 +156,8 @@ def start(config: ClusterConfig | None, *, cores: Sequence[int] | None = None,
       (`shorten_slices`); 0 keeps the kernel's default.
 
   Raises:
-    ClusterError: TF already started, a port in use, or peers missing.
+    ClusterError: TF already started, a port in use, or a failed barrier.
+    watchdog.PeerUnreachableError: peers that did not answer in time.
   """
   if cores:
     os.sched_setaffinity(0, set(cores))
@@ -167,25 +173,27 @@ def start(config: ClusterConfig | None, *, cores: Sequence[int] | None = None,
   _start_server(config)
   if compute_slice_us:
     shorten_slices(compute_slice_us)
-  watch = watchdog_lib.Watchdog(peers)
+  watch = watchdog_lib.Watchdog(peers, unreachable_s=unreachable_s)
   missing = watch.wait_until_up(peer_timeout_s)
   if missing:
     names = ', '.join(peers.describe(t) for t in missing)
-    raise ClusterError(
-        f'task {config.task}: {names} did not come up within '
-        f'{peer_timeout_s:g} s; start every task with the same cluster '
+    raise watchdog_lib.PeerUnreachableError(
+        f'task {config.task}: {names} did not answer within '
+        f'{peer_timeout_s:g} s (--peer_timeout_secs): not started yet, or '
+        'not reachable from here; start every task with the same cluster '
         '(--cluster_spec or TF_CONFIG) and its own --task, and check that '
-        'the addresses are reachable from here.')
-  _meet(peers, peer_timeout_s)
-  if watchdog:
+        'the addresses are reachable from this host.')
+  if watchdog:  # Before the barrier: a peer lost during it is named.
     watch.start()
+  _meet(peers, peer_timeout_s, watch)
   return Runtime(peers, watch)
 
 
 def define_flags() -> None:
   """Defines the cluster flags of a worker binary (absl); call it once, at
   the binary's top level: --cluster_spec, --job, --task,
-  --collective_timeout_secs, --peer_timeout_secs."""
+  --collective_timeout_secs, --peer_timeout_secs, --peer_unreachable_secs,
+  --compute_slice_us."""
   flags.DEFINE_string('cluster_spec', '', 'The run\'s tasks, Lingvo style: '
                       '"worker=host:port,host:port"; empty: TF_CONFIG, or '
                       'one process.')
@@ -197,7 +205,12 @@ def define_flags() -> None:
                      'traces) while every peer answers ends the task with '
                      'an error; a dead peer is found within seconds.')
   flags.DEFINE_float('peer_timeout_secs', 120.0, 'How long start-up waits '
-                     'for every task to come up.')
+                     'for every task to answer.')
+  flags.DEFINE_float('peer_unreachable_secs', 10.0, 'A peer that does not '
+                     'answer for this long (a network partition) ends the '
+                     'task, exit 75, with one line naming it; a peer whose '
+                     'process ended is found within about a second.',
+                     lower_bound=0.1)
   flags.DEFINE_integer('compute_slice_us', 0, 'Scheduler time slice of '
                        'TensorFlow\'s compute threads, so that boundary '
                        'transfers need not wait behind compute (Linux ≥ '
@@ -213,6 +226,7 @@ def start_from_flags(**kwargs: Any) -> 'Runtime':
   config = cluster_from(f.cluster_spec, f.job, f.task)
   return start(config, collective_timeout_s=f.collective_timeout_secs,
                peer_timeout_s=f.peer_timeout_secs,
+               unreachable_s=f.peer_unreachable_secs,
                compute_slice_us=f.compute_slice_us, **kwargs)
 
 
@@ -382,13 +396,16 @@ def _start_server(config: ClusterConfig) -> None:
     raise
 
 
-def _meet(peers: collective.Peers, timeout_s: float) -> None:
-  """A first barrier: every task is up and the collective path works."""
+def _meet(peers: collective.Peers, timeout_s: float,
+          watch: 'watchdog_lib.Watchdog') -> None:
+  """A first barrier: every task is up and the collective path works. A
+  peer lost meanwhile ends the process through `watch`, naming it."""
   slow = dataclasses.replace(peers, timeout_s=timeout_s, op_timeout_s=None)
   try:
     slow.barrier(key=('startup',))
   except Exception as e:  # pylint: disable=broad-except
+    watch.exit_if_peer_dead(cause=e)
     raise ClusterError(
         f'task {peers.task}: the start-up barrier of {peers.num_tasks} tasks '
-        f'failed within {timeout_s:g} s ({type(e).__name__}); every task '
-        'must run the same cluster spec.') from None
+        f'failed within {timeout_s:g} s ({type(e).__name__}) though every '
+        'peer answers; every task must run the same cluster spec.') from None

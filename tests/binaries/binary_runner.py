@@ -83,6 +83,17 @@ def read_checkpoint(path):
           if name != '_CHECKPOINTABLE_OBJECT_GRAPH'}
 
 
+def read_checkpoint_shards(path):
+  """{key: value} of checkpoint `path`, whole or from all its shards."""
+  # pylint: disable=g-import-not-at-top
+  from lingvo_pipe.core import checkpoints
+  values = {}
+  for part in checkpoints.files_of(str(path)):
+    values.update(read_checkpoint(part))
+  assert values, f'no files for {path}'
+  return values
+
+
 def max_relative_diff(a, b):
   """max over variables of max|a−b| / max(max|a|, tiny)."""
   assert sorted(a) == sorted(b)
@@ -92,3 +103,25 @@ def max_relative_diff(a, b):
     scale = max(float(np.max(np.abs(x))) if x.size else 0.0, 1e-30)
     worst = max(worst, float(np.max(np.abs(x - y))) / scale if x.size else 0)
   return worst
+
+
+def numpy_metrics(values, dataset):
+  """The evaler's metrics of params/synthetic/regression.py on `dataset`,
+  in float64 numpy, from checkpoint `values` ({key: value}, whole or every
+  shard's)."""
+  # pylint: disable=g-import-not-at-top
+  from lingvo_pipe.core import model_registry
+  from lingvo_pipe.tasks.synthetic import input_generator
+  p = model_registry.get_params(MODEL, dataset).input
+  data = input_generator.make_split(p.data_seed, p.split, p.num_examples,
+                                    p.input_dim, p.output_dim, p.noise_stddev)
+  v = {k.split('/.ATTRIBUTES')[0].replace('task/pipeline/', ''):
+       np.asarray(x, np.float64) for k, x in values.items()}
+  h = data['x'].astype(np.float64)
+  for fc, bn in (('fc0', 'bn0'), ('fc1', 'bn1')):
+    h = np.maximum(h @ v[f'{fc}/w'] + v[f'{fc}/b'], 0.0)
+    h = ((h - v[f'{bn}/moving_mean']) /
+         np.sqrt(v[f'{bn}/moving_variance'] + 1e-3) * v[f'{bn}/gamma'] +
+         v[f'{bn}/beta'])
+  err = h @ v['out/w'] + v['out/b'] - data['y']
+  return {'loss': np.mean(err**2), 'mean_abs_error': np.mean(np.abs(err))}

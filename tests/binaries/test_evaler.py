@@ -5,36 +5,16 @@ import os
 import re
 import shutil
 
-import numpy as np
 import pytest
 
 import binary_runner as br
 from lingvo_pipe.core import checkpoints
-from lingvo_pipe.core import model_registry
 from lingvo_pipe.core import summaries
-from lingvo_pipe.tasks.synthetic import input_generator
 
 
 def _scores(score_dir):
   return {name: json.loads((score_dir / name).read_text())
           for name in sorted(os.listdir(score_dir)) if name.endswith('.json')}
-
-
-def _numpy_metrics(ckpt, dataset):
-  """The model of params/synthetic/regression.py in float64 numpy."""
-  p = model_registry.get_params(br.MODEL, dataset).input
-  data = input_generator.make_split(p.data_seed, p.split, p.num_examples,
-                                    p.input_dim, p.output_dim, p.noise_stddev)
-  v = {k.split('/.ATTRIBUTES')[0].replace('task/pipeline/', ''):
-       np.asarray(x, np.float64) for k, x in br.read_checkpoint(ckpt).items()}
-  h = data['x'].astype(np.float64)
-  for fc, bn in (('fc0', 'bn0'), ('fc1', 'bn1')):
-    h = np.maximum(h @ v[f'{fc}/w'] + v[f'{fc}/b'], 0.0)
-    h = ((h - v[f'{bn}/moving_mean']) /
-         np.sqrt(v[f'{bn}/moving_variance'] + 1e-3) * v[f'{bn}/gamma'] +
-         v[f'{bn}/beta'])
-  err = h @ v['out/w'] + v['out/b'] - data['y']
-  return {'loss': np.mean(err**2), 'mean_abs_error': np.mean(np.abs(err))}
 
 
 @pytest.fixture(scope='module')
@@ -69,7 +49,7 @@ def test_all_scores_every_checkpoint_exactly_with_numpy(eval_runs):
     assert record['num_examples'] == 200  # 6 batches of 32 and one of 8.
     assert record['checkpoint'] == str(copies['all'] / f'ckpt-{step}')
     assert {'eval_seconds', 'wall_time'} <= set(record)
-    want = _numpy_metrics(record['checkpoint'], 'Dev')
+    want = br.numpy_metrics(br.read_checkpoint(record['checkpoint']), 'Dev')
     for key, value in want.items():
       assert record['metrics'][key] == pytest.approx(value, rel=1e-5)
   scalars = summaries.read_scalars(str(score_dir))

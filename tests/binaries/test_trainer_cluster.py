@@ -35,15 +35,6 @@ def _train_alone(logdir, steps):
   assert rc == 0, err[-3000:]
 
 
-def _read(path):
-  """{key: value} of checkpoint `path`, whole or from all its shards."""
-  values = {}
-  for part in checkpoints.files_of(str(path)):
-    values.update(br.read_checkpoint(part))
-  assert values, f'no files for {path}'
-  return values
-
-
 def _finished(proc, timeout=300):
   rc, out, err = br.finish(proc, timeout)
   if rc:  # The lines that say why, then the end.
@@ -65,8 +56,9 @@ def test_two_stage_processes_train_like_one_process_and_shard_checkpoints(
   assert 'ckpt-20.stage0of2.index' in names, names
   assert 'ckpt-20.stage1of2.index' in names, names
   assert not any(n.startswith('ckpt-20.index') for n in names), names
-  diff = br.max_relative_diff(_read(tmp_path / 'alone' / 'ckpt-20'),
-                              _read(tmp_path / 'staged' / 'ckpt-20'))
+  diff = br.max_relative_diff(
+      br.read_checkpoint_shards(tmp_path / 'alone' / 'ckpt-20'),
+      br.read_checkpoint_shards(tmp_path / 'staged' / 'ckpt-20'))
   assert diff <= 1e-6, diff
 
   # The evaler reads the shards in one process and scores the same weights.
@@ -88,14 +80,16 @@ def test_replicas_resume_a_one_process_checkpoint_and_equal_it(tmp_path):
   os.rename(tmp_path / 'alone', tmp_path / 'replicas')
   _finished(_launch(tmp_path / 'replicas', 20, 2))
   _train_alone(tmp_path / 'reference', 20)
-  diff = br.max_relative_diff(_read(tmp_path / 'reference' / 'ckpt-20'),
-                              _read(tmp_path / 'replicas' / 'ckpt-20'))
+  diff = br.max_relative_diff(
+      br.read_checkpoint_shards(tmp_path / 'reference' / 'ckpt-20'),
+      br.read_checkpoint_shards(tmp_path / 'replicas' / 'ckpt-20'))
   assert diff <= 1e-5, diff
   # And a 1-process run resumes the 4-process run's sharded checkpoint.
   _train_alone(tmp_path / 'replicas', 30)
   _train_alone(tmp_path / 'reference', 30)
-  diff = br.max_relative_diff(_read(tmp_path / 'reference' / 'ckpt-30'),
-                              _read(tmp_path / 'replicas' / 'ckpt-30'))
+  diff = br.max_relative_diff(
+      br.read_checkpoint_shards(tmp_path / 'reference' / 'ckpt-30'),
+      br.read_checkpoint_shards(tmp_path / 'replicas' / 'ckpt-30'))
   assert diff <= 1e-5, diff
 
 
@@ -154,8 +148,9 @@ def test_a_sigkilled_worker_ends_the_run_naming_it_and_a_restart_resumes(
   assert f'Restored {survived[-1]}' in restart
   _finished(whole)
   final = f'ckpt-{steps}'
-  diff = br.max_relative_diff(_read(tmp_path / 'whole' / final),
-                              _read(tmp_path / 'killed' / final))
+  diff = br.max_relative_diff(
+      br.read_checkpoint_shards(tmp_path / 'whole' / final),
+      br.read_checkpoint_shards(tmp_path / 'killed' / final))
   assert diff <= 1e-6, diff
 
 

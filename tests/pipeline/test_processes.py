@@ -18,6 +18,7 @@ import time
 
 import pytest
 
+from lingvo_pipe.pipeline import collective
 from lingvo_pipe.pipeline import processes
 from lingvo_pipe.pipeline import watchdog
 from lingvo_pipe.pipeline.processes import ClusterError
@@ -93,8 +94,9 @@ def test_a_peer_that_never_comes_up_is_named_and_ports_in_use_are_refused(
     assert re.search(rf'ClusterError: task 0: cannot listen on 127.0.0.1:'
                      rf'{held[0]}: the port is in use', tasks.output(1)[1])
     assert tasks.procs[2].wait(timeout=120) == 1
-    assert re.search(rf'ClusterError: task 0: task 1 at 127.0.0.1:{lonely[1]} '
-                     r'did not come up within 5 s', tasks.output(2)[1])
+    assert re.search(rf'PeerUnreachableError: task 0: task 1 at 127.0.0.1:'
+                     rf'{lonely[1]} did not answer within 5 s',
+                     tasks.output(2)[1])
     assert holder.poll() is None  # Still waiting for its own task 1.
 
 
@@ -165,3 +167,47 @@ def test_compute_threads_get_a_short_slice_and_keep_their_share():
   finally:
     processes.shorten_slices(0, tids)
   assert {_slice_ns(t) for t in tids} == {before[t][0] for t in tids}
+
+
+def _judged(monkeypatch, failures, num_tasks=4):
+  """The line a watchdog of task 0 writes when probes fail as `failures`
+  ({task: (reason, seconds silent, probes failed)}); None if it waits."""
+  peers = collective.Peers(task=0, addresses=tuple(
+      f'10.0.0.{t}:2222' for t in range(num_tasks)))
+  watch = watchdog.Watchdog(peers, unreachable_s=10.0, grace_s=0.0)
+  now = time.monotonic()
+  for task, (reason, silent, count) in failures.items():
+    monkeypatch.setattr(watch, 'probe', lambda *_, r=reason: r)
+    watch._seen[task].heard = now - silent
+    for _ in range(count):
+      watch._check(task, timeout_s=0.1)
+  lines = []
+  monkeypatch.setattr(watch, '_give_up', lines.append)
+  watch._judge()
+  return lines[0] if lines else None
+
+
+def test_a_silent_peer_is_gone_at_the_limit_and_the_line_says_how_long(
+    monkeypatch):
+  assert _judged(monkeypatch, {2: ('no answer', 9.0, 4)}) is None
+  line = _judged(monkeypatch, {2: ('no answer', 10.5, 4)})
+  assert re.search(r'^lingvo_pipe: error: task 0: peer task 2 at '
+                   r'10\.0\.0\.2:2222 is unreachable: no answer for 10\.5 s '
+                   r'\(limit 10 s\); exiting with status 75 in 0 s\.', line)
+
+
+def test_the_peer_silent_longest_is_named_first(monkeypatch):
+  """Another peer that left since (refused) does not hide the partition."""
+  line = _judged(monkeypatch, {1: ('no answer', 8.0, 4),
+                               3: ('connection refused', 1.0, 3)})
+  assert re.search(r'task 0: peer task 1 at \S+ is unreachable: no answer '
+                   r'for 8\.0 s \(limit 10 s\) \(also gone: task 3 at '
+                   r'\S+: connection refused\)', line), line
+
+
+def test_a_host_that_reaches_no_peer_says_its_link_may_be_down(monkeypatch):
+  line = _judged(monkeypatch, {t: ('no answer', 10.0 + t, 4)
+                               for t in (1, 2, 3)})
+  assert re.search(r'task 0: every peer is unreachable: task 3 at \S+ \(no '
+                   r'answer for 13\.0 s .*task 1 at .*this host\'s own '
+                   r'network link may be down', line), line

@@ -9,6 +9,7 @@ from bench import common
 from bench import efficiency
 from bench import fidelity
 from bench import keras_bench
+from bench import links_bench
 from bench import mt_timeline
 from bench import overheads
 from bench import overlap
@@ -42,6 +43,8 @@ _SECTIONS = {
     'timeline': ('Timelines of one step per schedule', timeline_bench),
     'keras': ('A wrapped Keras CNN vs the same network in lingvo_pipe '
               'layers', keras_bench),
+    'links': ('K=2 over rate-limited links between hosts, and the '
+              'simulator at scale', links_bench),
     'mt_timeline': ('A translation step on 2 stage processes '
                     '(--timeline_steps, merged)', mt_timeline),
 }

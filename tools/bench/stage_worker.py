@@ -25,6 +25,13 @@ compute threads (`processes.shorten_slices`; 0: the kernel's default)
 before each of its steps, so two configurations that differ only there
 compare the slices within one launch.
 
+A configuration with `rate_bits` (None: no limit) runs with the stage-to-
+stage link at that rate, when the tasks run on hosts of tools/hosts.py:
+before each of its steps, task 0 asks the harness through files in the
+spec's `rate_dir` (links_bench.py applies it) and waits until it is set.
+`same_as: <name>` reuses that configuration's network and step, so one
+network is timed at several rates without a copy of its weights.
+
 Configurations are timed in alternation, a barrier of every task before
 each one, so the neighbours' load hits every configuration alike. Each
 task writes `task<i>.json`: wall seconds per timed step, the engine's
@@ -133,8 +140,13 @@ class _Config:
   """One configuration as this task runs it."""
 
   def __init__(self, tf: Any, cfg: dict[str, Any], peers: Any,
-               replica: int) -> None:
+               replica: int, same: '_Config | None' = None) -> None:
     self.cfg = cfg
+    self.result: dict[str, Any] = {'name': cfg['name'], 'times_s': [],
+                                   'records': [], 'first_call_s': None}
+    if same is not None:  # Another rate of the same network and step.
+      self.net, self.step, self.recorder = same.net, same.step, same.recorder
+      return
     self.net = _build(tf, cfg, peers)
     x, labels = _inputs(tf, cfg, peers, replica)
     self.step = _step_fn(tf, cfg, self.net, x, labels)
@@ -144,8 +156,6 @@ class _Config:
       self.recorder = timeline.StepRecorder(
           self.net, (x,), _loss_fn(tf), labels=labels, normalize=False,
           update=lambda v, g: _sgd(tf, v, g))
-    self.result: dict[str, Any] = {'name': cfg['name'], 'times_s': [],
-                                   'records': [], 'first_call_s': None}
 
   def first_call(self, tf: Any) -> None:
     """Times tracing + the first step; counts the traced step's ops (its
@@ -169,7 +179,7 @@ class _Config:
 
   def record(self) -> None:
     self._slices()
-    if self.recorder is not None:
+    if self.recorder is not None and self.cfg.get('record', True):
       self.result['records'].append([list(r) for r in self.recorder()])
 
   def memory(self, tf: Any) -> None:
@@ -211,14 +221,19 @@ def _run(tf: Any, spec: dict[str, Any], peers: Any, out: dict[str, Any]
       mine = peers.task in cfg.get('tasks', [0])
       configs.append((_Config(tf, cfg, peers, 0) if mine else None, cfg))
   placement.use(peers)
+  built: dict[str, _Config] = {}
   for cfg in spec['configs']:
     if cfg['scope'] == 'run':
       # Replica r of a K-stage config: tasks r·K … r·K+K−1.
-      configs.append((_Config(tf, cfg, peers, peers.task // cfg['K']), cfg))
+      built[cfg['name']] = _Config(tf, cfg, peers, peers.task // cfg['K'],
+                                   built.get(cfg.get('same_as', '')))
+      configs.append((built[cfg['name']], cfg))
   out['configs'] = []
+  rates = _Rates(spec.get('rate_dir'), peers.task == 0)
 
   def _each(what: Callable[[_Config], None], tag: str) -> None:
     for i, (config, cfg) in enumerate(configs):
+      rates.set(cfg)
       peers.barrier(key=('bench', tag, i))
       if config is not None:
         what(config)
@@ -242,6 +257,37 @@ def _run(tf: Any, spec: dict[str, Any], peers: Any, out: dict[str, Any]
     _each(lambda c: c.memory(tf), 'memory')
   out['configs'] = [c.result for c, _ in configs if c is not None]
   peers.barrier(key=('bench', 'done'))
+
+
+class _Rates:
+  """Task 0 asks the hosts harness for a configuration's link rate."""
+
+  def __init__(self, rate_dir: str | None, asks: bool) -> None:
+    self._dir = rate_dir if asks else None
+    self._asked = 0
+    self._rate: Any = 'unset'
+
+  def set(self, cfg: dict[str, Any]) -> None:
+    rate = cfg.get('rate_bits')
+    if self._dir is None or rate == self._rate:
+      return
+    self._asked += 1
+    with open(os.path.join(self._dir, 'request.tmp'), 'w') as f:
+      json.dump({'seq': self._asked, 'rate_bits': rate}, f)
+    os.replace(os.path.join(self._dir, 'request.tmp'),
+               os.path.join(self._dir, 'request'))
+    applied = os.path.join(self._dir, 'applied')
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+      try:
+        with open(applied) as f:
+          if json.load(f)['seq'] == self._asked:
+            self._rate = rate
+            return
+      except (OSError, ValueError):
+        pass
+      time.sleep(0.005)
+    raise RuntimeError(f'the harness did not set rate {rate} within 60 s')
 
 
 def main(argv: list[str]) -> None:
