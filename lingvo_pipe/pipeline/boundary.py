@@ -109,15 +109,19 @@ def _index(index: Any) -> tf.Tensor:
 
 
 def send(peers: collective.Peers, value: Any, to_task: int, direction: str,
-         stage: int, index: Any) -> tf.Tensor | None:
+         stage: int, index: Any, spec: Any = None) -> tf.Tensor | None:
   """Sends the nest `value` (None leaves skipped); returns a token that
   exists once `to_task` has received it (None eagerly). Nothing should wait
   on the token but the step's end: a send completes only once its receiver
-  posts the recv."""
+  posts the recv. `spec`: the receiver's spec, whose static shapes fill in
+  what a value traced inside a loop has lost."""
   xs = [tf.convert_to_tensor(x) for x in tf.nest.flatten(value)
         if x is not None]
   if not xs:
     return None
+  if spec is not None:
+    shapes = [s.shape for s in tf.nest.flatten(spec) if s is not None]
+    xs = [tf.ensure_shape(x, shape) for x, shape in zip(xs, shapes)]
   key = (direction, stage)
   for leaf, x in enumerate(xs):
     if not x.shape.is_fully_defined():  # The receiver's spec has one.
