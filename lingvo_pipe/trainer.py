@@ -66,6 +66,7 @@ from lingvo_pipe.core import progress as progress_lib
 from lingvo_pipe.core import run_summaries
 from lingvo_pipe.core import step_timeline
 from lingvo_pipe.core import summaries
+from lingvo_pipe.core import tied_weights
 from lingvo_pipe.core.hyperparams import Params
 from lingvo_pipe.pipeline import placement
 from lingvo_pipe.pipeline import processes
@@ -113,7 +114,8 @@ _TIMELINE_STEPS = flags.DEFINE_list(
     'timeline_steps', [], 'Steps (counted from 1, e.g. 10 or 10,500) to '
     'record with the pipeline engine\'s timestamps: writes logdir/timeline/'
     'step_<s>.trace.json (chrome://tracing) and step_<s>.png (needs '
-    'lingvo_pipe[plots]).')
+    'lingvo_pipe[plots]); on a cluster, every stage process\'s ops in one '
+    'picture.')
 
 
 class Trainer:
@@ -126,7 +128,8 @@ class Trainer:
     self.task: base_model.BaseTask = params.task.Instantiate()
     self._vars = list(self.task.trainable_variables)
     self._opt = optimizer.from_params(self._train)
-    self._opt.build(self._vars)
+    # A tied weight's copy: its slots are saved by the owner's process.
+    self._opt.build(self._vars, untracked=tied_weights.copies_in(self.task))
     with tf.device('/device:CPU:0'):
       self.step = tf.Variable(0, dtype=tf.int64, trainable=False,
                               name='global_step')
@@ -164,6 +167,7 @@ class Trainer:
             f'{latest} is the latest checkpoint in '
             f'{os.path.join(self._logdir, checkpoints.STATE_FILE)} but its '
             f'files are gone; {checkpoints.state_fix(self._logdir)}')
+      tied_weights.restore_copies(latest, self.task, self._opt)
       self._latest = latest
       logging.info('Restored %s (step %d).', latest, int(self.step.numpy()))
     return int(self.step.numpy())
@@ -216,7 +220,7 @@ class Trainer:
               [tf.reduce_sum(tf.square(v)) for v in variables])
       grads = tape.gradient(loss, variables)
     norm = self.share.global_norm(  # Every stage's, in every process.
-        tf.linalg.global_norm([g for g in grads if g is not None]))
+        tf.linalg.global_norm(self.share.counted(grads, variables)))
     finite = tf.logical_and(tf.math.is_finite(loss), tf.math.is_finite(norm))
     if train.clip_gradient_norm > 0:
       grads, _ = tf.clip_by_global_norm(grads, train.clip_gradient_norm,
@@ -299,6 +303,9 @@ class Trainer:
   def _write_summaries(self, writer, step, metrics, norm, lr,
                        examples_per_sec: float) -> None:
     values = {name: value for name, (value, _) in metrics.items()}
+    if 'log_pplx' in values:  # A token mean: its exponential, the step's.
+      values['perplexity'] = tf.exp(tf.minimum(
+          tf.cast(values['log_pplx'], tf.float32), 80.0))
     values.update(learning_rate=lr, grad_global_norm=norm,
                   examples_per_sec=examples_per_sec)
     values.update(self.task.Summaries())
@@ -409,11 +416,8 @@ def _prepare(params: Params, logdir: str):
   dataset = generator.TrainDataset(0)  # Builds (lazily): checks batch size.
   # Partition, devices, FPropMeta shapes.
   trainer = Trainer(params, logdir, _timeline_steps())
-  trainer.share.check_batch_size(params.input.batch_size, 'input')
-  if trainer.share.multi_process and _TIMELINE_STEPS.value:
-    raise _cli.UserError('--timeline_steps records one process\'s step; in a '
-                         'multi-process run use tools/benchmark.py '
-                         'timeline, or run this model in one process.')
+  for size in generator.TrainBatchSizes():  # Length buckets: one each.
+    trainer.share.check_batch_size(size, 'input')
   preflight.check_train_batches(trainer.task, generator, dataset.element_spec)
   return trainer, generator
 

@@ -1,8 +1,8 @@
-"""The three test networks every transparency test runs, and their references.
+"""The test networks the transparency tests run, and their references.
 
 conv+BN (BatchNorm statistics, dropout), a Transformer stack carrying
-(x, paddings) across stages, and a NestedMap skip connection carried past
-several stages; `reference` runs the same layer objects one after another
+(x, paddings) across stages, a NestedMap skip connection carried past
+several stages, and a softmax tied to the embedding of the first stage; `reference` runs the same layer objects one after another
 under a plain tape, micro-batch by micro-batch.
 """
 
@@ -12,15 +12,21 @@ import numpy as np
 import tensorflow as tf
 
 from lingvo_pipe.core import base_layer
+from lingvo_pipe.core import base_model
+from lingvo_pipe.core import cluster_share
 from lingvo_pipe.core import fprop_context
 from lingvo_pipe.core import gpipe
+from lingvo_pipe.core import optimizer
+from lingvo_pipe.core import tied_weights
 from lingvo_pipe.core.nested_map import NestedMap
 from lingvo_pipe.layers import conv
 from lingvo_pipe.layers import dropout
+from lingvo_pipe.layers import embedding
 from lingvo_pipe.layers import linear
 from lingvo_pipe.layers import normalization
 from lingvo_pipe.layers import pooling
 from lingvo_pipe.layers import shape
+from lingvo_pipe.layers import softmax
 from lingvo_pipe.layers import transformer
 from lingvo_pipe.pipeline import transparency
 
@@ -127,14 +133,35 @@ def nested_stack() -> tuple[list, list, callable]:
   return layers, [[BATCH, 4]], _inputs
 
 
+def tied_stack() -> tuple[list, list, callable]:
+  """ids → embedding → 3 FC → softmax whose weights are the embedding's,
+  transposed (`TIES`): a weight shared by the first and the last stage."""
+  layers = ([embedding.EmbeddingLayer.Params().Set(
+      name='emb', vocab_size=11, embedding_dim=6)] +
+            [linear.FCLayer.Params().Set(name=f'fc{i}', input_dim=6,
+                                         output_dim=6, activation='TANH')
+             for i in range(3)] +
+            [softmax.SoftmaxLayer.Params().Set(name='softmax', input_dim=6,
+                                               num_classes=11)])
+
+  def _inputs(rng):
+    return (tf.constant(rng.randint(0, 11, [BATCH, 3]), tf.int32),)
+  return layers, [[BATCH, 3]], _inputs
+
+
 MODELS = {'conv_bn': conv_bn_stack, 'transformer': transformer_stack,
           'nested': nested_stack}
+# Not in MODELS: `reference` runs layers on net.theta, which holds a tied
+# weight as its owner stores it (the pipeline transposes it for the sharer).
+TIES = {'tied': [tied_weights.tie('softmax.w', 'emb.emb', transpose=True)]}
+_STACKS = dict(MODELS, tied=tied_stack)
 
 
 def net(model: str, **kw) -> tuple[gpipe.PipeliningLayer, tuple]:
-  layers, shapes, make_inputs = MODELS[model]()
+  layers, shapes, make_inputs = _STACKS[model]()
   p = gpipe.PipeliningLayer.Params().Set(
-      name='net', layers=layers, input_shapes=shapes, devices=DEVICES, **kw)
+      name='net', layers=layers, input_shapes=shapes, devices=DEVICES,
+      tied_weights=TIES.get(model, []), **kw)
   return p.Instantiate(), make_inputs(np.random.RandomState(1))
 
 
@@ -246,3 +273,34 @@ def weighted_loss(outputs, labels):
   return {'loss': (tf.reduce_sum(per * w) / total, total),
           'abs_mean': (tf.reduce_mean(tf.abs(x)), tf.cast(tf.size(x),
                                                           x.dtype))}
+
+
+def train(net, inputs, labels, steps: int) -> dict:
+  """The trainer's update of `net` for `steps` steps of `weighted_loss`,
+  here or in a stage process: SGD with momentum (which, unlike Adam, feels
+  the clipping), gradients clipped at a global norm of 1 that counts a tied
+  weight once. Returns {'values': {variable name: weights}, 'norms': the
+  global norm of each step}."""
+  variables = list(net.trainable_variables)
+  copies = tied_weights.copies_in(net)
+  share = cluster_share.Share(net.placement, copies)
+  opt = optimizer.from_params(base_model.BaseTask.Params().train.Set(
+      optimizer='sgd', momentum=0.9))
+  opt.build(variables, untracked=copies)
+
+  @tf.function(autograph=False)
+  def step(i):
+    with tf.GradientTape() as tape:
+      with fprop_context.scope(training=True, step=i):
+        loss = net.FPropLoss(net.theta, inputs, labels,
+                             weighted_loss)['loss'][0]
+    grads = tape.gradient(loss, variables)
+    norm = share.global_norm(tf.linalg.global_norm(
+        share.counted(grads, variables)))
+    grads, _ = tf.clip_by_global_norm(grads, 1.0, use_norm=norm)
+    opt.apply(grads, variables, 0.05, i)
+    return norm
+
+  norms = [float(step(tf.constant(i, tf.int64))) for i in range(steps)]
+  return {'values': {v.name: np.asarray(v).tolist() for v in variables},
+          'norms': norms}

@@ -11,7 +11,8 @@ the backward split into I and W and the zero-bubble schedules (split,
 zero_bubble); Keras models (keras: a wrapped Keras CNN vs the same network
 in lingvo_pipe layers); several hosts (links: K=2 over rate-limited links
 between hosts made of network namespaces, as root; the simulator at scale
-on paper). Each writes
+on paper); mt_timeline (a translation step on 2 stage processes,
+--timeline_steps merged). Each writes
 its section into docs/benchmarks.json and re-renders docs/benchmarks.md
 (plus PNGs) from it. `all` runs each sub-command in its own child process,
 so the allocator and TF runtime of one section cannot leak into the next;

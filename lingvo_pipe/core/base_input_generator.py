@@ -98,6 +98,20 @@ class BaseInputGenerator:
     """
     return [self.params.batch_size]
 
+  def TrainBatchSpecs(self, element_spec: Any) -> list[tuple[int, Any]]:
+    """(batch size, spec of those batches) of every shape TrainDataset
+    makes, from its `element_spec`: the batch dimension set to each of
+    TrainBatchSizes(). A generator whose batches take several shapes says
+    which (length buckets: one each), so that every process of a run knows
+    the shapes it will exchange before the first step."""
+    def _with(spec: tf.TensorSpec, n: int) -> tf.TensorSpec:
+      if spec.shape.rank is None or spec.shape.rank == 0:
+        return spec
+      return tf.TensorSpec([n] + spec.shape.as_list()[1:], spec.dtype)
+    return [(n, tf.nest.map_structure(lambda s, n=n: _with(s, n),
+                                      element_spec))
+            for n in self.TrainBatchSizes()]
+
   def EvalDataset(self) -> tf.data.Dataset:
     """One pass over the split in a fixed order, the last batch kept."""
     raise NotImplementedError(f'{type(self).__name__}.EvalDataset')

@@ -50,7 +50,7 @@ import hashlib
 import math
 import re
 import threading
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 import tensorflow as tf
@@ -64,7 +64,7 @@ from lingvo_pipe.core.nested_map import NestedMap
 __all__ = [
     'BaseLayer', 'FPropContext', 'LayerError', 'LayerMeta', 'NestedMap',
     'Params', 'StatsCollector', 'WeightInit', 'WeightParams', 'fprop_context',
-    'stable_seed',
+    'sharing_variables', 'stable_seed',
 ]
 
 DEFAULT_RANDOM_SEED = 1234
@@ -250,6 +250,22 @@ class LayerMeta:
 # ---- The layer --------------------------------------------------------------
 _BUILD = threading.local()
 
+# creator(layer, name, weight params, make) -> (variable, checkpointed here?)
+VariableCreator = Callable[..., tuple[tf.Variable, bool]]
+
+
+@contextlib.contextmanager
+def sharing_variables(creator: VariableCreator | None) -> Iterator[None]:
+  """Layers built inside get their variables from `creator` (which calls
+  `make()` for a variable of their own): how a pipeline ties weights
+  (`core/tied_weights.py`). None: every layer makes its own, as outside."""
+  saved = getattr(_BUILD, 'creator', None)
+  _BUILD.creator = creator
+  try:
+    yield
+  finally:
+    _BUILD.creator = saved
+
 
 def _snake_case(name: str) -> str:
   return re.sub(r'(?<!^)(?=[A-Z])', '_', name).lower()
@@ -404,18 +420,30 @@ class BaseLayer(tf.Module):
     return children
 
   def CreateVariable(self, name: str, wp: Params) -> tf.Variable:
-    """Creates variable `name` now, with a path-derived initial value."""
+    """Creates variable `name` now, with a path-derived initial value;
+    inside `sharing_variables(creator)`, the creator may hand back another
+    layer's (a tied weight), which this layer uses but does not checkpoint.
+    """
     self._CheckNewName(name)
+    creator = getattr(_BUILD, 'creator', None)
+    if creator is None:
+      var, tracked = self._NewVariable(name, wp), True
+    else:
+      var, tracked = creator(self, name, wp,
+                             lambda: self._NewVariable(name, wp))
+    self._private_vars[name] = var
+    if tracked:
+      self._track_trackable(var, name=name)
+    return var
+
+  def _NewVariable(self, name: str, wp: Params) -> tf.Variable:
     dtype = wp.dtype or self._params.dtype
     init = wp.init or self._params.params_init
     shape = [int(d) for d in wp.shape]
     seed = stable_seed(self._random_seed, self.path, name)
     value = _initial_value(shape, init, dtype, seed)
-    var = tf.Variable(value, trainable=wp.trainable,
-                      name=re.sub(r'[^\w./-]', '_', f'{self.path}/{name}'))
-    self._private_vars[name] = var
-    self._track_trackable(var, name=name)
-    return var
+    return tf.Variable(value, trainable=wp.trainable,
+                       name=re.sub(r'[^\w./-]', '_', f'{self.path}/{name}'))
 
   def _CheckNewName(self, name: str,
                     checkpoint_names: Sequence[str] | None = None) -> None:

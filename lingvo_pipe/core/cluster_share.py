@@ -10,8 +10,9 @@ so that the trainer keeps one code path for 1 and K×R processes:
   the step);
 - the values every task must agree on after a step: the global gradient
   norm (each task holds its own stage's gradients, already summed over the
-  replicas by the engine), whether any task's weights became non-finite,
-  and whether any task was asked to stop;
+  replicas by the engine; a tied weight's copy is counted by its owner
+  only), whether any task's weights became non-finite, and whether any
+  task was asked to stop;
 - who writes what: the chief (task 0) writes params.txt, the summaries and
   the checkpoint state file; each task of replica 0 writes its stage's
   checkpoint shard (`checkpoints.save_shard`).
@@ -28,6 +29,7 @@ import tensorflow as tf
 
 from lingvo_pipe import errors
 from lingvo_pipe.core import base_model
+from lingvo_pipe.core import tied_weights
 from lingvo_pipe.pipeline import placement as placement_lib
 
 
@@ -38,8 +40,10 @@ class ClusterShareError(errors.LingvoPipeError):
 class Share:
   """This process's share of the run (see the module docstring)."""
 
-  def __init__(self, place: placement_lib.Placement) -> None:
+  def __init__(self, place: placement_lib.Placement,
+               copies: list[tf.Variable] | None = None) -> None:
     self._place = place
+    self._copies = {v.ref() for v in copies or []}
 
   @classmethod
   def of(cls, task: base_model.BaseTask) -> 'Share':
@@ -58,7 +62,7 @@ class Share:
             f'{peers.num_tasks} processes; run it in one process (no '
             '--cluster_spec or TF_CONFIG), or make it a PipelinedTask.')
       return cls(placement_lib.Placement(peers, 1, 1))
-    return cls(pipeline.placement)
+    return cls(pipeline.placement, tied_weights.copies_in(task))
 
   @property
   def multi_process(self) -> bool:
@@ -118,10 +122,18 @@ class Share:
       return batch
 
     def _slice(x: tf.Tensor) -> tf.Tensor:
-      n = tf.shape(x)[0] // self.num_replicas
+      n = (x.shape[0] if x.shape.rank and x.shape[0] is not None else
+           tf.shape(x)[0]) // self.num_replicas  # Static if known.
       return x[self.replica * n:(self.replica + 1) * n]
 
     return tf.nest.map_structure(_slice, batch)
+
+  def counted(self, grads: list[Any], variables: list[tf.Variable]
+             ) -> list[tf.Tensor]:
+    """The gradients this task adds to the global norm: not None, and not
+    of a tied weight's copy (its owner's task counts that weight)."""
+    return [g for g, v in zip(grads, variables)
+            if g is not None and v.ref() not in self._copies]
 
   def global_norm(self, local_norm: tf.Tensor) -> tf.Tensor:
     """The norm of every stage's gradients from this stage's norm.

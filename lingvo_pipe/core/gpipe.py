@@ -45,6 +45,7 @@ import tensorflow as tf
 
 from lingvo_pipe.core import base_layer
 from lingvo_pipe.core import fprop_context
+from lingvo_pipe.core import tied_weights
 from lingvo_pipe.core.nested_map import NestedMap
 from lingvo_pipe.pipeline import devices as devices_lib
 from lingvo_pipe.pipeline import engine
@@ -143,16 +144,25 @@ class PipeliningLayer(base_layer.BaseLayer):
              'action.')
     p.Define('batch_dim', 0, 'Batch dimension of every tensor that crosses '
              'a stage boundary (1 for time-major [T, B, ...]).')
+    p.Define('tied_weights', [], 'Weights that layers share, each '
+             'tied_weights.tie(weight, owner, transpose): one variable in '
+             'checkpoints, gradients summed over both uses (and, on stage '
+             'processes, over the copies each owning stage holds).')
     return p
 
   def __init__(self, params: Any) -> None:
     super().__init__(params)
     self._plan = plan_lib.make_plan(self.params, self.path)
+    self._tied = tied_weights.TiedWeights(tied_weights.resolve(
+        list(self.params.tied_weights), self._plan.names, self.path),
+                                          self.path)
     self._placement = placement_lib.Placement.current(self.params.num_stages,
                                                       self.path)
     self._devices = self._Devices()
     self._CreateStages()
     self._schedules: dict[int, schedule_lib.Schedule] = {}
+    # FPropMeta by input shapes (length buckets); not checkpointed.
+    object.__setattr__(self, '_metas', {})
 
   # ---- Construction --------------------------------------------------------
   def _Devices(self) -> list[str]:
@@ -178,17 +188,28 @@ class PipeliningLayer(base_layer.BaseLayer):
 
   def _CreateStages(self) -> None:
     """Builds every layer on its stage's device; with stage processes,
-    only this process's layers (the others stand in, with no variables)."""
-    stage_of = np.searchsorted(self._plan.boundaries,
-                               np.arange(len(self.params.layers)),
-                               side='right') - 1
+    only this process's layers (the others stand in, with no variables;
+    a tied weight whose owner is elsewhere is a copy, `tied_weights`)."""
+    stages = [self._StageOf(i) for i in range(len(self.params.layers))]
     layers = [lp if self.is_local(s) else
               _RemoteLayer.Params().Set(name=name)
-              for lp, s, name in zip(self.params.layers, stage_of,
+              for lp, s, name in zip(self.params.layers, stages,
                                      self._plan.names)]
-    self.CreateChildren('layers', layers,
-                        devices=[self.stage_device(s) for s in stage_of],
-                        keys=list(self._plan.names))
+    with base_layer.sharing_variables(
+        self._tied.creator(self._Probe) if self._tied.ties else None):
+      built = self.CreateChildren(
+          'layers', layers, devices=[self.stage_device(s) for s in stages],
+          keys=list(self._plan.names))
+    self._tied.check_built(lambda i: self.is_local(stages[i]), built)
+
+  def _StageOf(self, i: int) -> int:
+    return int(np.searchsorted(self._plan.boundaries, i, side='right')) - 1
+
+  def _Probe(self, i: int) -> base_layer.BaseLayer:
+    """Layer i built on its own (untracked): what its variables would be."""
+    name = self._plan.names[i]
+    with self._Building(name):
+      return self._ChildParams(name, self.params.layers[i]).Instantiate()
 
   # ---- Facts ---------------------------------------------------------------
   @property
@@ -214,6 +235,16 @@ class PipeliningLayer(base_layer.BaseLayer):
   @property
   def placement(self) -> placement_lib.Placement:
     return self._placement
+
+  @property
+  def tied(self) -> tied_weights.TiedWeights:
+    """p.tied_weights in this process: its variables and copies."""
+    return self._tied
+
+  def LayerThetas(self, theta: NestedMap) -> list[NestedMap]:
+    """Each layer's theta as it reads it (tied weights transposed where
+    they are): for code that calls layers outside the pipeline (decoding)."""
+    return [self._tied.view(i, th) for i, th in enumerate(theta.layers)]
 
   @property
   def metas(self) -> list[base_layer.LayerMeta] | None:
@@ -245,6 +276,7 @@ class PipeliningLayer(base_layer.BaseLayer):
     first, last = self._plan.boundaries[s], self._plan.boundaries[s + 1]
     x = inputs
     for i, theta in zip(range(first, last), thetas):
+      theta = self._tied.view(i, theta)
       x = _as_tuple(self.children.layers[i].FProp(theta, *x))
       self._CheckOutputs(i, x)
     return x
@@ -367,29 +399,63 @@ class PipeliningLayer(base_layer.BaseLayer):
       return loss_fn(self.FProp(theta, *inputs), labels)
     stages = self._Stages(theta)
     schedule = self._Schedule(inputs)
-    n = microbatch.batch_size(inputs, self.params.batch_dim, self.path)
+    if self._placement.multi_process:
+      self._CheckStatic(inputs)
     try:
       return engine.run_with_loss(
           stages, tuple(inputs), labels, loss_fn, schedule,
           self.params.batch_dim, self._placement,
-          lambda s: self._BoundarySpec(s, n, schedule.num_micro_batches),
-          self.params.loop_steady_state)
+          lambda s: self._BoundarySpec(s, inputs, schedule.num_micro_batches),
+          self.params.loop_steady_state, self._TiedLeaves())
     except engine.EngineError as e:
       raise PipelineError(f'{self.path}: {e}') from None
 
-  def _BoundarySpec(self, stage: int, batch_size: Any,
+  def _CheckStatic(self, inputs: tuple[Any, ...]) -> None:
+    """Stage processes receive tensors of the shape this step's inputs
+    imply (FPropMeta): every task must know it from the step alone."""
+    for i, leaf in enumerate(tf.nest.flatten(inputs)):
+      if not tf.TensorShape(leaf.shape).is_fully_defined():
+        raise PipelineError(
+            f'{self.path}: input {i} of this step has shape {leaf.shape}; '
+            'stage processes exchange tensors whose shape every task knows '
+            'from the step: make every batch one fixed shape (pad to a '
+            'fixed length), or a few (length buckets, each of one shape).')
+
+  def _TiedLeaves(self) -> list[engine.TiedLeaf]:
+    """The tied weights among this process's stage thetas, each with the
+    tasks holding a copy (its owning stages' devices × replicas)."""
+    place, bounds = self._placement, self._plan.boundaries
+    if not place.multi_process or not self._tied.ties:
+      return []
+    k, out = len(self._devices), []
+    for s in range(self._plan.num_stages):
+      if not self.is_local(s):
+        continue
+      thetas = [self.children.layers[i].theta
+                for i in range(bounds[s], bounds[s + 1])]
+      for leaf, owner in self._tied.leaves(bounds[s], thetas):
+        devices = sorted({self._StageOf(i) % k
+                          for i in self._tied.owning_layers(owner)})
+        if len(devices) > 1:
+          out.append(engine.TiedLeaf(s, leaf, owner, tuple(
+              r * k + d for r in range(place.num_replicas) for d in devices)))
+    return out
+
+  def _BoundarySpec(self, stage: int, inputs: tuple[Any, ...],
                     num_micro_batches: int) -> Any:
     """Per-micro-batch TensorSpecs of stage `stage`'s input (the outputs
     of its previous layer; `stage` = #stages: the last layer's outputs),
-    from FPropMeta: what a stage process receives before any tensor."""
-    if not isinstance(batch_size, int) or self.params.input_shapes is None:
-      raise PipelineError(
-          f'{self.path}: stage processes exchange tensors of static shapes; '
-          'set p.input_shapes (the batch dimension may stay None) and feed '
-          'batches of a static size.')
-    metas = self._plan.metas_for(batch_size)
-    meta = metas[self._plan.boundaries[stage] - 1]
-    bd, micro = self.params.batch_dim, batch_size // num_micro_batches
+    from FPropMeta of this step's inputs: what a stage process receives
+    before any tensor. Each task reads the same global batch, so all
+    agree on the shapes, one per length bucket."""
+    shapes = tuple(tf.nest.map_structure(lambda x: x.shape, inputs))
+    key = tuple(tuple(s.as_list()) for s in tf.nest.flatten(shapes))
+    if key not in self._metas:
+      self._metas[key] = plan_lib.layer_metas(list(self.params.layers),
+                                              shapes, self.path)
+    meta = self._metas[key][self._plan.boundaries[stage] - 1]
+    bd = self.params.batch_dim
+    micro = microbatch.batch_size(inputs, bd, self.path) // num_micro_batches
     leaves = []
     for shape, dtype in zip(tf.nest.flatten(meta.out_shapes),
                             meta.out_dtypes):

@@ -50,7 +50,8 @@ class OptimizerError(errors.LingvoPipeError):
   """Bad optimizer params or variables; the message names the param."""
 
 
-def _slot_key(var: tf.Variable) -> str:
+def slot_key(var: tf.Variable) -> str:
+  """The name a variable's slots are kept (and checkpointed) under."""
   return re.sub(r':\d+$', '', var.name)
 
 
@@ -73,35 +74,45 @@ class BaseOptimizer(tf.Module):
     self._slots: dict[str, dict[str, tf.Variable]] = {}
     # Which variable owns each slot key; a plain dict, not checkpointed.
     object.__setattr__(self, '_owners', {})
+    object.__setattr__(self, '_copy_slots', {})  # Not checkpointed either.
 
-  def build(self, variables: Sequence[tf.Variable]) -> None:
+  def build(self, variables: Sequence[tf.Variable],
+            untracked: Sequence[tf.Variable] = ()) -> None:
     """Creates the slots of `variables` (each on its variable's device).
+
+    The slots of `untracked` ones (among `variables`: copies of a tied
+    weight that another process owns, `tied_weights`) are kept out of
+    checkpoints: the owner's slots are saved instead.
 
     Raises:
       OptimizerError: two variables share a name (their slots would clash).
     """
     slots = dict(self._slots)
+    copies = {v.ref() for v in untracked}
     for var in variables:
-      key = _slot_key(var)
+      key = slot_key(var)
       owner = self._owners.setdefault(key, var.ref())
       if owner != var.ref():
         raise OptimizerError(
             f'Two variables are named {key!r}; slots are keyed by variable '
             'name, so give every variable a unique name (layers do: their '
             'path).')
-      if key in slots:
+      if key in slots or key in self._copy_slots:
         continue
       with tf.device(var.device):
-        slots[key] = {
+        made = {
             name: tf.Variable(tf.fill(var.shape, tf.cast(init, var.dtype)),
                               trainable=False, name=f'{key}/{name}')
             for name, init in self.SLOTS.items()
         }
+      (self._copy_slots if var.ref() in copies else slots)[key] = made
     self._slots = slots  # Reassigned so tf.Module tracks the new entries.
 
   def slots(self, var: tf.Variable) -> dict[str, tf.Variable]:
     """The slot variables of `var`, by slot name."""
-    key = _slot_key(var)
+    key = slot_key(var)
+    if key in self._copy_slots:
+      return self._copy_slots[key]
     if key not in self._slots:
       raise OptimizerError(
           f'No slots for variable {key!r}: call build(variables) with every '

@@ -8,8 +8,7 @@ devices (K against what exists), the layer shapes (each layer's `FPropMeta`
 fed the previous one's, from `input_shapes`). What construction cannot see
 is the data:
 
-    for N in generator.TrainBatchSizes():          # one, or one per bucket
-      spec = the generator's batches, batch dim = N
+    for N, spec in generator.TrainBatchSpecs(...):  # one, or one per bucket
       task.CheckTrainBatch(spec, N)
 
 and a task's `CheckTrainBatch` (by default `check_task`) checks each
@@ -17,7 +16,9 @@ pipeline with `check_pipeline`: N against `num_micro_batches` /
 `micro_batch_size` and the schedule (what the pipeline's plan would check
 at the first step, memory budget included), the batch axis of every input
 and label, and the inputs' shapes against `input_shapes` (so FPropMeta's
-shapes are the real ones). A task that says how a batch feeds its pipeline
+shapes are the real ones). With stage processes, every input's shape must
+be known from the step (`TrainBatchSpecs`: a fixed shape, or one per length
+bucket), and FPropMeta must take it: that is what the processes exchange. A task that says how a batch feeds its pipeline
 (the classmethods `PipelineInputs` and `LossInputs`, as `PipelinedTask`
 has) gets those specs by tracing just that mapping.
 """
@@ -48,16 +49,8 @@ def check_train_batches(task: Any, generator: Any,
   Raises:
     errors.LingvoPipeError: the task cannot train on these batches.
   """
-  for size in generator.TrainBatchSizes():
-    spec = tf.nest.map_structure(lambda s, n=size: _with_batch(s, n),
-                                 element_spec)
+  for size, spec in generator.TrainBatchSpecs(element_spec):
     task.CheckTrainBatch(spec, size)
-
-
-def _with_batch(spec: tf.TensorSpec, size: int) -> tf.TensorSpec:
-  if spec.shape.rank is None or spec.shape.rank == 0:
-    return spec
-  return tf.TensorSpec([size] + spec.shape.as_list()[1:], spec.dtype)
 
 
 def check_task(task: Any, batch_spec: Any, batch_size: int) -> None:
@@ -115,10 +108,30 @@ def check_pipeline(pipeline: Any, inputs: Any, batch_size: int,
   if inputs is None:
     return
   leaves = tf.nest.flatten(inputs)
-  _check_batch_axis(leaves + tf.nest.flatten(labels), p.batch_dim,
+  _check_batch_axis(leaves + ([] if labels is None else
+                              tf.nest.flatten(labels)), p.batch_dim,
                     batch_size, where)
   if p.input_shapes is not None:
     _check_input_shapes(p.input_shapes, leaves, p.batch_dim, where)
+  if pipeline.placement.multi_process:
+    _check_static(pipeline, inputs, batch_size)
+
+
+def _check_static(pipeline: Any, inputs: Any, batch_size: int) -> None:
+  """Stage processes exchange tensors of shapes known from the step."""
+  for i, leaf in enumerate(tf.nest.flatten(inputs)):
+    shape = tf.TensorShape(leaf.shape)
+    if not shape.is_fully_defined():
+      raise BatchShapeError(
+          f'{pipeline.path}: input {i} of the training batches of '
+          f'{batch_size} examples has shape {shape}, not known before the '
+          'step; stage processes exchange tensors of shapes every task '
+          'knows from the step: pad every batch to one length, or use '
+          'length buckets of one shape each (the input generator\'s '
+          'TrainBatchSpecs says which).')
+  gpipe.layer_metas(list(pipeline.params.layers),
+                    tuple(tf.nest.map_structure(lambda x: x.shape, inputs)),
+                    pipeline.path)  # Raises where FPropMeta refuses them.
 
 
 def _check_batch_axis(leaves: list[Any], bd: int, batch_size: int,

@@ -22,10 +22,19 @@ step's own median op durations (`timeline.calibrated_costs`), so the two
 panels differ where the real step leaves the schedule (transfers, dispatch
 gaps). Tracing the second function costs about as much as the first step.
 Step 1 cannot be warmed up and shows one-off start-up work.
+
+On a cluster (stage processes, replicas) each task records its own
+stages; the recorded step then sums every task's stamps, laid out as one
+[stages, micro-batches, F/R/B, start/end] array (zeros where another task
+ran the op, and in every replica but the first), in one all-reduce, and the
+chief writes the merged picture. Its times are each process's clock: one
+host's processes share it; across hosts the picture is as good as their
+clocks agree (NTP: about a millisecond).
 """
 
 from __future__ import annotations
 
+import collections
 import os
 from typing import Any, Callable, Sequence
 
@@ -96,15 +105,41 @@ class TimelineSteps:
     ops: list[Any] = []
     outputs = self._train_step(batch, timeline=ops)
     self._keys, stamps = timeline.stamps(ops)
+    if self._pipeline.placement.multi_process:
+      stamps = self._merged(stamps)
     return tuple(outputs) + (stamps,)
 
+  def _merged(self, stamps: tf.Tensor) -> tf.Tensor:
+    """Every task's stamps of replica 0, as `timeline.stamps` gives them:
+    one row per (stage, micro-batch, F/R/B), zeros where no op ran."""
+    place = self._pipeline.placement
+    counts = collections.Counter(self._keys)  # Each op once per micro-batch.
+    num_micro = max(counts.values(), default=1)
+    shape = [self._pipeline.plan.num_stages, num_micro, len(timeline.KINDS)]
+    dense = tf.zeros(shape + [2], tf.float64)
+    if self._keys and not place.replica:  # Replicas: show the first only.
+      where = tf.stack([
+          tf.constant([k for k, _ in self._keys]),
+          tf.cast(stamps[:, 0], tf.int32),
+          tf.constant([timeline.KINDS.index(kind) for _, kind in self._keys])
+      ], axis=1)
+      dense = tf.scatter_nd(where, stamps[:, 1:], shape + [2])
+    merged = place.peers.all_reduce(dense, place.all_tasks(), ('timeline',))
+    self._keys = [(k, kind) for k in range(shape[0])
+                  for _ in range(num_micro) for kind in timeline.KINDS]
+    micro = tf.constant([[float(m)] for _ in range(shape[0])
+                         for m in range(num_micro) for _ in timeline.KINDS],
+                        tf.float64)
+    return tf.concat([micro, tf.reshape(merged, [-1, 2])], 1)
+
   def run(self, step: int, batch: Any) -> tuple[Any, ...]:
-    """Runs training step `step` recorded; writes its files; returns the
-    train step's outputs."""
+    """Runs training step `step` recorded; the chief writes its files;
+    returns the train step's outputs."""
     *outputs, stamps = _without_op_determinism(self._fn, batch)
-    records = timeline.from_stamps(self._keys, stamps.numpy())
-    if step not in self._steps:
-      pass  # The warm-up run before a chosen step.
+    records = [r for r in timeline.from_stamps(self._keys, stamps.numpy())
+               if r.end > 0]  # Merged: the ops nobody ran are zeros.
+    if step not in self._steps or self._pipeline.placement.peers.task:
+      pass  # The warm-up run before a chosen step, or not the chief.
     elif records:
       self._write(step, timeline.normalized(records))
     else:  # Inference-only or K=1 paths record nothing.

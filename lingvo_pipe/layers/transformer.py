@@ -306,13 +306,15 @@ class TransformerEncoderLayer(base_layer.BaseLayer):
   ...                           tf.zeros([2, 5]))
   """
 
+  CAUSAL = False  # Whether a position attends only to itself and before.
+
   @classmethod
   def Params(cls) -> InstantiableParams:
     return _transformer_params(super().Params())
 
   def __init__(self, params: InstantiableParams) -> None:
     super().__init__(params)
-    self.CreateChild('self_atten', _atten_params(self.params, causal=False))
+    self.CreateChild('self_atten', _atten_params(self.params, self.CAUSAL))
     self.CreateChild('ffn', _ffn_params(self.params))
 
   def FProp(self, theta: NestedMap, x: tf.Tensor,
@@ -326,11 +328,25 @@ class TransformerEncoderLayer(base_layer.BaseLayer):
   def FPropMeta(cls, p: Params, x: tf.TensorShape,
                 paddings: tf.TensorShape) -> LayerMeta:
     c = _named(p.name or cls.__name__, dict(
-        self_atten=_atten_params(p, causal=False), ffn=_ffn_params(p)))
+        self_atten=_atten_params(p, cls.CAUSAL), ffn=_ffn_params(p)))
     atten, ffn = c['self_atten'], c['ffn']
     metas = [atten.cls.FPropMeta(atten, x, paddings),
              ffn.cls.FPropMeta(ffn, x)]
     return _sum(p, metas, 0, (x, paddings))
+
+
+class TransformerCausalLayer(TransformerEncoderLayer):
+  """The encoder layer with causal self-attention: a decoder-only language
+  model's layer, (x, paddings) → (x, paddings).
+
+  >>> p = TransformerCausalLayer.Params().Set(
+  ...     name='layer0', input_dim=8, num_heads=2, hidden_dim=32)
+  >>> layer = p.Instantiate()
+  >>> x, paddings = layer.FProp(layer.theta, tf.ones([2, 5, 8]),
+  ...                           tf.zeros([2, 5]))
+  """
+
+  CAUSAL = True
 
 
 class TransformerDecoderLayer(base_layer.BaseLayer):

@@ -12,8 +12,15 @@ of (direction, stage, leaf, micro-batch) has the same key in any loop
 iteration, or outside any loop, of either process.
 
 Instance keys of transfers are [2³⁰, 2³¹) (the other collectives' digests
-are below): 2³⁰ + ((stage · 2 + direction) · MAX_LEAVES + leaf) · 2¹² + m,
-so two transfers never share a key, and nothing needs a collision check.
+are below): 2³⁰ + (((stage · 2 + direction) · MAX_LEAVES + leaf) ·
+MAX_SHAPES + shape) · 2¹² + m, so two transfers never share a key, and
+nothing needs a collision check. `shape` numbers the static shapes one
+leaf has had (length buckets): TF's collective runtime keeps an instance
+key's shape for the life of the process, so a boundary of [32, 32] at one
+step and [24, 48] at the next needs two keys. The numbers are given in the
+order a process first traces each shape; every task reads the same global
+batch and traces the same steps in the same order, so sender and receiver
+number a shape alike.
 
     token = send(peers, y, to_task=1, direction='F', stage=1, index=m)
     x = recv(peers, spec, from_task=0, direction='F', stage=1, index=m,
@@ -38,39 +45,54 @@ __all__ = ['MAX_LEAVES', 'MAX_MICRO_BATCHES', 'recv', 'send']
 _BASE = 1 << 30
 _INDEX_BITS = 12
 MAX_MICRO_BATCHES = 1 << _INDEX_BITS  # Per replica and step.
-MAX_LEAVES = 256  # Tensors in one boundary.
+MAX_LEAVES = 64  # Tensors in one boundary.
+_SHAPE_BITS = 4
+MAX_SHAPES = 1 << _SHAPE_BITS  # Static shapes of one leaf (length buckets).
+_SLOT_BITS = 30 - _INDEX_BITS - _SHAPE_BITS
 _DIRECTIONS = ('F', 'B')  # F: activations forward; B: gradients backward.
 _CALLS: dict[tuple[Any, ...], Any] = {}
+_SHAPES: dict[tuple[str, int, int], list[tuple[int, ...]]] = {}
 
 
-def _instance(direction: str, stage: int, leaf: int) -> int:
+def _instance(direction: str, stage: int, leaf: int,
+              shape: tuple[int, ...]) -> int:
   """The base instance key of one leaf of a boundary (+ m per micro-batch)."""
   slot = (stage * 2 + _DIRECTIONS.index(direction)) * MAX_LEAVES + leaf
-  if leaf >= MAX_LEAVES or slot >= 1 << (30 - _INDEX_BITS):
+  if leaf >= MAX_LEAVES or slot >= 1 << _SLOT_BITS:
     raise collective.CollectiveError(
         f'Stage {stage}\'s boundary has {leaf + 1} tensors (at most '
         f'{MAX_LEAVES}) or the pipeline more than '
-        f'{(1 << (30 - _INDEX_BITS)) // (2 * MAX_LEAVES)} stages; pack the '
+        f'{(1 << _SLOT_BITS) // (2 * MAX_LEAVES)} stages; pack the '
         'boundary into fewer tensors.')
+  seen = _SHAPES.setdefault((direction, stage, leaf), [])
+  if shape not in seen:
+    if len(seen) == MAX_SHAPES:
+      raise collective.CollectiveError(
+          f'Stage {stage}\'s boundary (leaf {leaf}) has had {MAX_SHAPES} '
+          f'shapes ({seen}) and now {list(shape)}; stage processes take at '
+          f'most {MAX_SHAPES} batch shapes: use fewer length buckets.')
+    seen.append(shape)
+  slot = (slot << _SHAPE_BITS) + seen.index(shape)
   return _BASE + (slot << _INDEX_BITS)
 
 
 def _describe(direction: str, stage: int, leaf: int, src: int,
-              dst: int) -> str:
+              dst: int, shape: tuple[int, ...]) -> str:
   what = 'activations into' if direction == 'F' else 'gradients out of'
-  return (f'transfer of {what} stage {stage} (leaf {leaf}) from task {src} '
-          f'to task {dst}')
+  return (f'transfer of {what} stage {stage} (leaf {leaf}, shape '
+          f'{list(shape)}) from task {src} to task {dst}')
 
 
 def _register(peers: collective.Peers, direction: str, stage: int,
-              leaves: Sequence[int], src: int, dst: int,
+              shapes: Sequence[tuple[int, ...]], src: int, dst: int,
               index: Any) -> tuple[int, list[int]]:
   group = peers.group_of((src, dst))
   bases = []
-  for leaf in leaves:
-    base = _instance(direction, stage, leaf)
+  for leaf, shape in enumerate(shapes):
+    base = _instance(direction, stage, leaf, shape)
     use = index if isinstance(index, int) else ('tensor', id(index))
-    peers.register(group, base, _describe(direction, stage, leaf, src, dst),
+    peers.register(group, base,
+                   _describe(direction, stage, leaf, src, dst, shape),
                    (src, dst), use)
     bases.append(base)
   return group, bases
@@ -87,18 +109,29 @@ def _index(index: Any) -> tf.Tensor:
 
 
 def send(peers: collective.Peers, value: Any, to_task: int, direction: str,
-         stage: int, index: Any) -> tf.Tensor | None:
+         stage: int, index: Any, spec: Any = None) -> tf.Tensor | None:
   """Sends the nest `value` (None leaves skipped); returns a token that
   exists once `to_task` has received it (None eagerly). Nothing should wait
   on the token but the step's end: a send completes only once its receiver
-  posts the recv."""
+  posts the recv. `spec`: the receiver's spec, whose static shapes fill in
+  what a value traced inside a loop has lost."""
   xs = [tf.convert_to_tensor(x) for x in tf.nest.flatten(value)
         if x is not None]
   if not xs:
     return None
+  if spec is not None:
+    shapes = [s.shape for s in tf.nest.flatten(spec) if s is not None]
+    xs = [tf.ensure_shape(x, shape) for x, shape in zip(xs, shapes)]
   key = (direction, stage)
+  for leaf, x in enumerate(xs):
+    if not x.shape.is_fully_defined():  # The receiver's spec has one.
+      raise collective.CollectiveError(
+          f'Stage {stage}\'s boundary (leaf {leaf}) has shape {x.shape} '
+          'here, which is not fully defined; stage processes exchange '
+          'tensors of static shapes.')
   wires = tuple(collective.wire_dtype(x.dtype, key) for x in xs)
-  group, bases = _register(peers, direction, stage, range(len(xs)),
+  group, bases = _register(peers, direction, stage,
+                           [tuple(x.shape.as_list()) for x in xs],
                            peers.task, to_task, index)
   fn = _call(('send', peers.device, group, tuple(bases), wires,
               peers.op_timeout()), _make_send)
@@ -128,8 +161,8 @@ def recv(peers: collective.Peers, spec: Any, from_task: int, direction: str,
   shapes = tuple(tuple(tf.TensorShape(s.shape).as_list()) for s in present)
   dtypes = tuple(tf.as_dtype(s.dtype) for s in present)
   wires = tuple(collective.wire_dtype(d, key) for d in dtypes)
-  group, bases = _register(peers, direction, stage, range(len(present)),
-                           from_task, peers.task, index)
+  group, bases = _register(peers, direction, stage, shapes, from_task,
+                           peers.task, index)
   fn = _call(('recv', peers.device, group, tuple(bases), shapes, wires,
               peers.op_timeout()), _make_recv)
   with tf.device(peers.device):

@@ -221,6 +221,7 @@ class Peers:
             shape=shape.as_list(), T=wire_dtype(dtype, key),
             timeout_seconds=self._op_timeout_s,
             name=f'lp_recv_g{group}_i{instance}')
+        dependency.independent([x])  # Else pruned if unread: sender hangs.
         out.append(tf.cast(x, dtype) if x.dtype != dtype else x)
     return tf.nest.pack_sequence_as(spec, out)
 

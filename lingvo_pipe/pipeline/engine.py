@@ -31,7 +31,7 @@ statistics over its replicas.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import tensorflow as tf
 
@@ -43,7 +43,7 @@ from lingvo_pipe.pipeline.actions import Schedule, emission_order, keys_of
 from lingvo_pipe.pipeline.executor import Executor, Feed, Specs
 from lingvo_pipe.pipeline.stage import Stage, differentiable
 
-__all__ = ['EngineError', 'Stage', 'run', 'run_with_loss']
+__all__ = ['EngineError', 'Stage', 'TiedLeaf', 'run', 'run_with_loss']
 
 LossFn = Callable[[Any, Any], dict[str, tuple[tf.Tensor, tf.Tensor]]]
 EngineError = executor_lib.ExecutorError  # A schedule or stages it cannot run.
@@ -205,7 +205,8 @@ def _metric_names(loss_fn: LossFn, out_spec: Any, labels: Any) -> list[str]:
 def run_with_loss(stages: list[Stage], inputs: tuple[Any, ...], labels: Any,
                   loss_fn: LossFn, schedule: Schedule, batch_dim: int = 0,
                   placement: placement_lib.Placement | None = None,
-                  specs: Specs | None = None, loop: bool = True
+                  specs: Specs | None = None, loop: bool = True,
+                  ties: Sequence['TiedLeaf'] = ()
                  ) -> dict[str, tuple[tf.Tensor, tf.Tensor]]:
   """The whole step of any schedule: forwards, losses, backwards.
 
@@ -225,6 +226,8 @@ def run_with_loss(stages: list[Stage], inputs: tuple[Any, ...], labels: Any,
     specs: Stage s → its input's per-micro-batch spec (s = #stages: the
       last stage's output); needed when stages run in other processes.
     loop: As for `run`.
+    ties: The local theta leaves that are copies of a weight tied across
+      stage processes (`_tied_sums`).
 
   Returns:
     {name: (weighted mean over the batch of every replica, Σ weight)}.
@@ -261,7 +264,7 @@ def run_with_loss(stages: list[Stage], inputs: tuple[Any, ...], labels: Any,
     metrics = {name: (v[0] / tf.maximum(v[1], 1e-30), v[1])
                for name, v in sums.items()}
     scale = 1.0 / tf.maximum(metrics['loss'][1], 1e-30)
-    grads = _scaled_grads(ex, state, scale)
+    grads = _scaled_grads(ex, state, scale, ties)
     dx_leaves = _input_grads(ex, state, inputs, scale)
     stats = [state.stages[s].stats for s in local]
     if placement.num_replicas > 1:  # BatchNorm sums over every replica.
@@ -310,20 +313,76 @@ def _reduced_metrics(ex: Executor, state: Any, loss_fn: LossFn, labels: Any,
   return placement.peers.barrier(sums, key=('metrics',), after=state.sends)
 
 
-def _scaled_grads(ex: Executor, state: Any, scale: tf.Tensor
-                 ) -> list[tf.Tensor]:
+def _scaled_grads(ex: Executor, state: Any, scale: tf.Tensor,
+                  ties: Sequence['TiedLeaf'] = ()) -> list[tf.Tensor]:
   """Each local stage's accumulated gradients ÷ Σ weight, summed over the
-  stage's replicas (one synchronous update for the whole global batch)."""
+  stage's replicas (one synchronous update for the whole global batch);
+  tied weights' copies summed over all copies instead (`_tied_sums`)."""
   placement = ex.placement
   grads = []
   for s in ex.local_stages():
     with tf.device(ex.stages[s].device):
       grads.append([g * tf.cast(scale, g.dtype)
                     for g in tf.nest.flatten(state.stages[s].acc)])
+  tied = _tied_sums(grads, ex.local_stages(), ties, placement)
   if placement.num_replicas > 1:
-    grads = placement.peers.all_reduce(grads, placement.replica_tasks(),
-                                       ('grads', placement.device))
-  return [g for stage_grads in grads for g in stage_grads]
+    grads = placement.peers.all_reduce(
+        [[None if (i, j) in tied else g for j, g in enumerate(stage)]
+         for i, stage in enumerate(grads)],
+        placement.replica_tasks(), ('grads', placement.device))
+  return [tied.get((i, j), g) for i, stage in enumerate(grads)
+          for j, g in enumerate(stage)]
+
+
+# ---- Tied weights across stage processes ------------------------------------
+class TiedLeaf(NamedTuple):
+  """A local stage's theta leaf that is one copy of a tied weight."""
+  stage: int
+  leaf: int  # Its index in tf.nest.flatten(that stage's theta).
+  key: str  # The weight's name, alike in every process (its owner's path).
+  tasks: tuple[int, ...]  # Every task holding a copy: its stages × replicas.
+
+
+def _tied_sums(grads: list[list[tf.Tensor]], local: list[int],
+               ties: Sequence[TiedLeaf],
+               placement: placement_lib.Placement
+              ) -> dict[tuple[int, int], tf.Tensor]:
+  """The gradient of each tied weight, summed over all of its copies.
+
+  A weight that stages in different processes share (an embedding and the
+  softmax tied to it) is one copy per process. The copies must take the
+  same update or they drift apart, so each copy's gradient is replaced by
+  the sum over every copy (both owning stages, every replica): one
+  all-reduce per weight over exactly those tasks. Every member gets the
+  same bits, so the copies stay bit-identical. The caller's per-stage
+  all-reduce over replicas leaves these leaves out: it would count them
+  twice. A weight that two local stages use (interleaved) is summed here
+  first; the sum goes to its first leaf, zeros to the others (the tape
+  adds them up again).
+
+  Args:
+    grads: per local stage (in `local`'s order), its flat gradients.
+    local: the local stages.
+    ties: the tied leaves among them.
+    placement: this process's placement (its peers do the all-reduce).
+
+  Returns:
+    {(index into `local`, leaf): the summed gradient}.
+  """
+  at: dict[str, list[tuple[int, int]]] = {}
+  tasks: dict[str, tuple[int, ...]] = {}
+  for tie in ties:
+    at.setdefault(tie.key, []).append((local.index(tie.stage), tie.leaf))
+    tasks[tie.key] = tie.tasks
+  out = {}
+  for key in sorted(at):  # The same order in every process.
+    first = at[key][0]
+    with tf.device(placement.peers.device):
+      total = tf.add_n([grads[i][j] for i, j in at[key]])
+      total = placement.peers.all_reduce(total, tasks[key], ('tied', key))
+    out[first] = total
+    out.update({p: tf.zeros_like(total) for p in at[key][1:]})
+  return out
 
 
 def _input_grads(ex: Executor, state: Any, inputs: Any,

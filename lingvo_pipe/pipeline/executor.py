@@ -364,7 +364,8 @@ class Executor:
     token = boundary.send(
         self.placement.peers, value,
         self.placement.task(self.schedule.device_of(to)),
-        'F' if forward else 'B', to if forward else s - 1, state.index(m))
+        'F' if forward else 'B', to if forward else s - 1, state.index(m),
+        None if self.specs is None else self._wire_spec(forward, to))
     if token is not None:
       state.sends.append(token)
     return {'wire': None}
@@ -377,17 +378,22 @@ class Executor:
       raise ExecutorError(f'Stage {s} reads from another process; the '
                           'executor needs the boundary specs to receive.')
     forward = a.kind == 'RECV_F'
-    if forward:
-      spec = self.specs(s)
-    else:
-      spec = [t for t in tf.nest.flatten(self.specs(s + 1))
-              if t is not None and differentiable(t)]
+    spec = self._wire_spec(forward, s)
     peer = s - 1 if forward else s + 1
     value = boundary.recv(
         self.placement.peers, spec,
         self.placement.task(self.schedule.device_of(peer)),
         'F' if forward else 'B', s, state.index(m), after=state.after[d])
     return {'value': value}
+
+  def _wire_spec(self, forward: bool, s: int) -> Any:
+    """What stage s receives: its input's spec, or (backward) the float
+    leaves of its output's. The sender gives it too: inside a loop a value
+    loses its static batch size, which the transfer's key needs."""
+    if forward:
+      return self.specs(s)
+    return [t for t in tf.nest.flatten(self.specs(s + 1))
+            if t is not None and differentiable(t)]
 
   def _input_grad(self, d: int, a: Action, r: dict[str, Any],
                   state: StepState) -> dict[str, Any]:

@@ -55,21 +55,24 @@ class PipelineDecoder:
   """
 
   def __init__(self, pipeline: Any) -> None:
-    layers = list(pipeline.children.layers)
+    # The classes from the params: a stage process builds only its own
+    # stage's layers (the others stand in), and decodes nothing.
+    kinds = [lp.cls for lp in pipeline.params.layers]
     where = pipeline.path
-    if not (isinstance(layers[0], mt_layers.SourceTargetEmbedding) and
-            isinstance(layers[-1], mt_layers.DecoderSoftmax)):
+    if not (issubclass(kinds[0], mt_layers.SourceTargetEmbedding) and
+            issubclass(kinds[-1], mt_layers.DecoderSoftmax)):
       raise DecodeError(
           f'{where}: decoding needs layers[0] to be a SourceTargetEmbedding '
-          f'and the last a DecoderSoftmax, got {type(layers[0]).__name__} '
-          f'and {type(layers[-1]).__name__}; build the list with '
+          f'and the last a DecoderSoftmax, got {kinds[0].__name__} '
+          f'and {kinds[-1].__name__}; build the list with '
           'lingvo_pipe.tasks.mt.model.transformer_layers.')
-    self._layers = layers
-    self._encoders = [i for i, l in enumerate(layers)
-                      if isinstance(l, (mt_layers.EncoderLayer,
+    self._pipeline = pipeline
+    self._layers = list(pipeline.children.layers)
+    self._encoders = [i for i, c in enumerate(kinds)
+                      if issubclass(c, (mt_layers.EncoderLayer,
                                         mt_layers.EncoderFinalNorm))]
-    self._decoders = [i for i, l in enumerate(layers)
-                      if isinstance(l, mt_layers.DecoderLayer)]
+    self._decoders = [i for i, c in enumerate(kinds)
+                      if issubclass(c, mt_layers.DecoderLayer)]
     if not self._decoders or (self._encoders and
                               max(self._encoders) > min(self._decoders)):
       raise DecodeError(f'{where}: expected encoder layers, then at least '
@@ -79,15 +82,28 @@ class PipelineDecoder:
     self._device = [devices[k] for k in range(len(devices))
                     for _ in range(bounds[k], bounds[k + 1])]
 
+  def _thetas(self, theta: NestedMap) -> list[NestedMap]:
+    """Each layer's theta (tied weights as the layer reads them)."""
+    placement = self._pipeline.placement
+    if placement.multi_process:
+      raise DecodeError(
+          f'{self._pipeline.path}: this stage process holds only stage '
+          f'{placement.device} of {placement.num_devices}, and decoding '
+          'runs every layer; decode in one process: the evaler reads the '
+          'stage processes\' checkpoints (python -m lingvo_pipe.evaler '
+          '--model=... --logdir=<this run\'s logdir>).')
+    return self._pipeline.LayerThetas(theta)
+
   def encode(self, theta: NestedMap, src_ids: tf.Tensor,
              src_paddings: tf.Tensor) -> tf.Tensor:
     """Source ids [B, S] → memory [B, S, D], layer by layer on its device."""
+    thetas = self._thetas(theta)
     with tf.device(self._device[0]):
-      x = self._layers[0].EmbedSource(theta.layers[0], src_ids)
+      x = self._layers[0].EmbedSource(thetas[0], src_ids)
     paddings = tf.cast(src_paddings, x.dtype)
     for i in self._encoders:
       with tf.device(self._device[i]):
-        x = self._layers[i].Encode(theta.layers[i], x, paddings)
+        x = self._layers[i].Encode(thetas[i], x, paddings)
     return x
 
   def step_fn(self, theta: NestedMap, memory: tf.Tensor,
@@ -107,27 +123,27 @@ class PipelineDecoder:
       all beams of a sentence share it).
     """
     memory_paddings = tf.cast(memory_paddings, memory.dtype)
+    thetas = self._thetas(theta)
     static, state = [], []
     for i in self._decoders:
       with tf.device(self._device[i]):
-        cache = self._layers[i].InitDecodeCache(theta.layers[i], memory,
-                                                max_len)
+        cache = self._layers[i].InitDecodeCache(thetas[i], memory, max_len)
       static.append(cache.memory)
       state.append(cache.self_atten)
 
     def step(ids_t: tf.Tensor, t: tf.Tensor,
              state: list[NestedMap]) -> tuple[tf.Tensor, list[NestedMap]]:
       with tf.device(self._device[0]):
-        x = self._layers[0].EmbedTarget(theta.layers[0], ids_t[:, None], t)
+        x = self._layers[0].EmbedTarget(thetas[0], ids_t[:, None], t)
       new_state = []
       for j, i in enumerate(self._decoders):
         with tf.device(self._device[i]):
           cache = NestedMap(self_atten=state[j], memory=static[j])
-          x, cache = self._layers[i].ExtendStep(theta.layers[i], x,
+          x, cache = self._layers[i].ExtendStep(thetas[i], x,
                                                 memory_paddings, cache, t)
         new_state.append(cache.self_atten)
       with tf.device(self._device[-1]):
-        logits = self._layers[-1].Logits(theta.layers[-1], x)[:, 0]
+        logits = self._layers[-1].Logits(thetas[-1], x)[:, 0]
         log_probs = tf.nn.log_softmax(tf.cast(logits, tf.float32))
       return log_probs, new_state
 

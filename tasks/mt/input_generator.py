@@ -39,7 +39,7 @@ source is cut, keeping its EOS, and the reference stays the full text.
 from __future__ import annotations
 
 import csv
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 from absl import logging
 import numpy as np
@@ -142,6 +142,15 @@ class BibleTranslationInput(base_input_generator.InMemoryInputGenerator):
   def TrainBatchSizes(self) -> list[int]:
     """One per length bucket, or [batch_size] without buckets."""
     return list(self.params.bucket_batch_sizes) or [self.params.batch_size]
+
+  def TrainBatchSpecs(self, element_spec: Any) -> list[tuple[int, Any]]:
+    """One per length bucket: [N_b, bound_b] (or [N, max_len])."""
+    p = self.params
+    shapes = (list(zip(p.bucket_batch_sizes, p.bucket_upper_bounds)) or
+              [(p.batch_size, p.max_len)])
+    return [(n, tf.nest.map_structure(
+        lambda s, n=n, t=t: tf.TensorSpec([n, t][:s.shape.rank], s.dtype),
+        element_spec)) for n, t in shapes]
 
   def _Texts(self) -> tuple[list[str], list[str]]:
     p = self.params

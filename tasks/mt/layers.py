@@ -18,9 +18,10 @@ and passes the rest on to whichever stage holds the next layer:
 The padding masks cross every stage boundary with the activations, so a
 decoder layer on stage 3 masks the same source positions as the encoder on
 stage 0. Every tensor keeps the batch dimension first, so the pipeline can
-cut and glue micro-batches anywhere. The softmax weights are not tied to the
-embedding: they live on the last stage, the embedding on the first, and a
-variable shared across devices would need its gradient summed across stages.
+cut and glue micro-batches anywhere. With a joint vocabulary the softmax's
+weights are the embedding table transposed (`model.softmax_ties`, declared in
+the pipeline's `tied_weights`): the table lives on the first stage and the
+softmax on the last, and `core/tied_weights.py` keeps the two in step.
 
 Decoding does not use the tuple: `decoder.PipelineDecoder` calls the
 per-part methods here (`EmbedSource`, `EmbedTarget`, `Encode`,

@@ -29,7 +29,8 @@ from lingvo_pipe.core import base_layer
 from lingvo_pipe.core import base_model
 from lingvo_pipe.core import gpipe
 from lingvo_pipe.core import pipelined_task
-from lingvo_pipe.core.hyperparams import InstantiableParams
+from lingvo_pipe.core import tied_weights
+from lingvo_pipe.core.hyperparams import InstantiableParams, Params
 from lingvo_pipe.core.nested_map import NestedMap
 from lingvo_pipe.layers import softmax
 from lingvo_pipe.tasks.mt import decoder
@@ -44,14 +45,17 @@ def transformer_layers(vocab_size: int, model_dim: int, num_heads: int,
                        ffn_init_scale: float = 1.0,
                        logits_abs_max: float = 0.0,
                        pre_layer_norm: bool = True,
-                       fprop_dtype: tf.DType | None = None
+                       fprop_dtype: tf.DType | None = None,
+                       share_embedding: bool = True
                       ) -> list[InstantiableParams]:
   """The pipeline's layer list (see `lingvo_pipe.tasks.mt.layers`), pre-LN by default.
 
   Post-LN stacks (`pre_layer_norm=False`) normalise after every residual
   add, so they get no final norms. `fprop_dtype` (e.g. tf.bfloat16) is the
   compute dtype of every layer; variables stay float32, and layer norms,
-  softmaxes and the loss compute in float32 regardless.
+  softmaxes and the loss compute in float32 regardless. `share_embedding`:
+  one table for source and target (a joint vocabulary); `softmax_ties`
+  then ties the softmax to it too.
   """
   common = dict(input_dim=model_dim, num_heads=num_heads,
                 hidden_dim=hidden_dim, pre_layer_norm=pre_layer_norm,
@@ -61,7 +65,7 @@ def transformer_layers(vocab_size: int, model_dim: int, num_heads: int,
                 ffn_init_scale=ffn_init_scale)
   out = [mt_layers.SourceTargetEmbedding.Params().Set(
       name='emb', vocab_size=vocab_size, model_dim=model_dim,
-      dropout_prob=dropout_prob)]
+      dropout_prob=dropout_prob, share_embedding=share_embedding)]
   out += [mt_layers.EncoderLayer.Params().Set(name=f'enc{i}', **common)
           for i in range(num_encoder_layers)]
   if pre_layer_norm:
@@ -75,6 +79,14 @@ def transformer_layers(vocab_size: int, model_dim: int, num_heads: int,
   for p in out:
     p.fprop_dtype = fprop_dtype
   return out
+
+
+def softmax_ties() -> list[Params]:
+  """The pipeline's `tied_weights` for a joint vocabulary: the softmax's
+  weights [D, V] are the (shared) embedding table [V, D] transposed, as in
+  the Transformer and Lingvo's MT models (Press & Wolf, 2017)."""
+  return [tied_weights.tie('softmax.softmax.w', 'emb.src_emb.emb',
+                           transpose=True)]
 
 
 def input_shapes(batch_size: int, max_len: int) -> list[list[int]]:
@@ -100,6 +112,25 @@ def pipeline_inputs(batch: NestedMap) -> tuple[tf.Tensor, ...]:
           tf.cast(batch.src_paddings, tf.float32),
           tf.cast(batch.tgt_ids, tf.int32),
           tf.cast(batch.tgt_paddings, tf.float32))
+
+
+def token_metrics(logits: tf.Tensor, labels: tf.Tensor, paddings: tf.Tensor,
+                  label_smoothing: float) -> base_model.Metrics:
+  """A sequence model's metrics: token means, each weighted by the number
+  of unpadded tokens: the training loss (label-smoothed), its unsmoothed
+  log-perplexity, and the argmax's accuracy."""
+  weights = 1.0 - tf.cast(paddings, tf.float32)
+  loss, num_tokens = softmax.mean_softmax_cross_entropy(
+      logits, labels, weights, label_smoothing)
+  log_pplx = loss
+  if label_smoothing > 0:
+    log_pplx, _ = softmax.mean_softmax_cross_entropy(logits, labels, weights)
+  hits = tf.cast(tf.equal(tf.argmax(logits, -1, output_type=tf.int32),
+                          tf.cast(labels, tf.int32)), tf.float32)
+  accuracy = tf.math.divide_no_nan(tf.reduce_sum(hits * weights), num_tokens)
+  return {'loss': (loss, num_tokens),
+          'log_pplx': (tf.stop_gradient(log_pplx), num_tokens),
+          'token_accuracy': (accuracy, num_tokens)}
 
 
 class TranslationTask(pipelined_task.PipelinedTask):
@@ -145,19 +176,8 @@ class TranslationTask(pipelined_task.PipelinedTask):
                   batch: NestedMap) -> base_model.Metrics:
     """Token means, each weighted by the number of target tokens."""
     del theta
-    weights = 1.0 - tf.cast(batch.tgt_paddings, tf.float32)
-    labels = batch.tgt_labels
-    loss, num_tokens = softmax.mean_softmax_cross_entropy(
-        predictions, labels, weights, self.params.label_smoothing)
-    log_pplx, _ = softmax.mean_softmax_cross_entropy(predictions, labels,
-                                                     weights)
-    hits = tf.cast(tf.equal(tf.argmax(predictions, -1, output_type=tf.int32),
-                            tf.cast(labels, tf.int32)), tf.float32)
-    accuracy = tf.math.divide_no_nan(tf.reduce_sum(hits * weights),
-                                     num_tokens)
-    return {'loss': (loss, num_tokens),
-            'log_pplx': (tf.stop_gradient(log_pplx), num_tokens),
-            'token_accuracy': (accuracy, num_tokens)}
+    return token_metrics(predictions, batch.tgt_labels, batch.tgt_paddings,
+                         self.params.label_smoothing)
 
   # ---- Decoding ------------------------------------------------------------
   def Decode(self, theta: NestedMap, src_ids: tf.Tensor,

@@ -118,6 +118,10 @@ SAMPLES = {
         (_tr(transformer.TransformerEncoderLayer, pre_layer_norm=False),
          ([2, 5, D], [2, 5]), _maker('fp')),
     ],
+    transformer.TransformerCausalLayer: [
+        (_tr(transformer.TransformerCausalLayer, **_DROPOUTS),
+         ([2, 5, D], [2, 5]), _maker('fp')),
+    ],
     transformer.TransformerDecoderLayer: [
         (_tr(transformer.TransformerDecoderLayer, **_DROPOUTS),
          ([2, 5, D], [2, 5], [2, 4, D], [2, 4]), _maker('fpfp')),

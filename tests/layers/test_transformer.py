@@ -221,3 +221,19 @@ def test_errors_name_the_path():
     layer.FProp(layer.theta, tf.zeros([2, 5, D]), tf.zeros([2, 4]))
   with pytest.raises(base_layer.LayerError, match='tr.ffn: hidden_dim'):
     _params(transformer.TransformerEncoderLayer, hidden_dim=0).Instantiate()
+
+
+def test_causal_layer_does_not_look_ahead():
+  """Changing position 3 leaves positions 0..2 of every output unchanged,
+  and changes position 3 (the encoder layer, by contrast, looks ahead)."""
+  x = tf.constant(np.random.RandomState(0).randn(2, 5, 8), tf.float32)
+  y = tf.tensor_scatter_nd_update(x, [[0, 3], [1, 3]], tf.ones([2, 8]))
+  paddings = tf.zeros([2, 5])
+  for cls, looks_ahead in ((transformer.TransformerCausalLayer, False),
+                           (transformer.TransformerEncoderLayer, True)):
+    layer = cls.Params().Set(name='l', input_dim=8, num_heads=2,
+                             hidden_dim=16).Instantiate()
+    a = layer.FProp(layer.theta, x, paddings)[0].numpy()
+    b = layer.FProp(layer.theta, y, paddings)[0].numpy()
+    assert np.array_equal(a[:, :3], b[:, :3]) != looks_ahead, cls
+    assert not np.allclose(a[:, 3], b[:, 3])

@@ -33,6 +33,9 @@ _RECOMPUTE = flags.DEFINE_string('recompute', 'always', 'Policy.')
 _COSTS = flags.DEFINE_string('costs', '', "'profile': p.costs='profile' "
                              '(each process profiles); else FPropMeta flops.')
 _OUT = flags.DEFINE_string('out', '', 'Where the JSON goes.')
+_TRAIN_STEPS = flags.DEFINE_integer(
+    'train_steps', 0, 'Instead: train this many steps (pipeline_stacks.'
+    'train: the trainer\'s clipping) and write the weights and norms.')
 _GRAPH_OUT = flags.DEFINE_string('graph_out', '', 'Where the traced step\'s '
                                  'GraphDef goes (with its functions).')
 
@@ -69,6 +72,10 @@ def main(argv):
     r, n = peers.task // _NUM_STAGES.value, stacks.BATCH // replicas
     inputs = tuple(x[r * n:(r + 1) * n] for x in inputs)
     labels = labels.Transform(lambda x: x[r * n:(r + 1) * n])
+    if _TRAIN_STEPS.value:
+      with open(_OUT.value, 'w') as f:
+        json.dump(stacks.train(net, inputs, labels, _TRAIN_STEPS.value), f)
+      return
     step = _step(net, inputs, labels, stacks.weighted_loss)
     if _GRAPH_OUT.value:
       with open(_GRAPH_OUT.value, 'wb') as f:

@@ -63,24 +63,25 @@ def reference(model, num_stages, num_micro_batches, schedule, recompute):
 
 
 def run(tmp_path, model, k, r, m, schedule, recompute, costs='',
-        graphs=False):
+        graphs=False, extra=()):
   """Each task's JSON results, or (`graphs`) each task's traced GraphDef.
 
   `m` is each replica's M (the global batch has r · m micro-batches);
-  `schedule` is a name or a schedule's text.
+  `schedule` is a name or a schedule's text; `extra`: more stage_proc.py
+  flags (--train_steps=N: train N steps and write weights and norms).
   """
   flags = [f'--model={model}', f'--num_stages={k}',
            f'--num_micro_batches={r * m}',  # Of the global batch.
            f'--schedule={schedule}', f'--recompute={recompute}',
-           f'--costs={costs}']
+           f'--costs={costs}', *extra]
   cluster = runtime_procs.spec(runtime_procs.free_ports(k * r))
   outs = [tmp_path / f'task{t}.json' for t in range(k * r)]
   graph_outs = [tmp_path / f'task{t}.graph' for t in range(k * r)]
   with runtime_procs.Tasks(tmp_path) as tasks:
     for t in range(k * r):
-      extra = [f'--graph_out={graph_outs[t]}'] if graphs else []
+      graph = [f'--graph_out={graph_outs[t]}'] if graphs else []
       tasks.start([_PROC, f'--cluster_spec={cluster}', f'--task={t}',
-                   f'--out={outs[t]}'] + flags + extra, f'task{t}')
+                   f'--out={outs[t]}'] + flags + graph, f'task{t}')
     for t, proc in enumerate(tasks.procs):
       assert proc.wait(timeout=runtime_procs.TIMEOUT_S) == 0, (
           t, tasks.output(t)[1][-3000:])

@@ -14,6 +14,7 @@ import pytest
 import tensorflow as tf
 
 from lingvo_pipe.core.nested_map import NestedMap
+from lingvo_pipe.pipeline import boundary
 from lingvo_pipe.pipeline import collective
 from runtime_procs import spawn_tasks  # pylint: disable=g-bad-import-order
 
@@ -182,3 +183,20 @@ def test_a_mismatched_key_times_out_naming_key_and_peer(tmp_path):
                    r'127\.0\.0\.1:\d+\)|task 1: peer task 0 at '
                    r'127\.0\.0\.1:\d+ is gone', runs[1].stderr), (
                        runs[1].stderr[-3000:])
+
+
+def test_a_boundary_has_one_instance_key_per_shape():
+  """TF keeps an instance key's shape for the life of the process, so the
+  length buckets of one boundary leaf need keys of their own; a shape seen
+  again gets its key back (both sides trace the same steps in order)."""
+  key = boundary._instance  # pylint: disable=protected-access
+  short, long = key('F', 3, 1, (4, 8)), key('F', 3, 1, (4, 16))
+  assert short != long and key('F', 3, 1, (4, 8)) == short
+  assert len({short, long, key('B', 3, 1, (4, 8)), key('F', 3, 0, (4, 8)),
+              key('F', 2, 1, (4, 8))}) == 5
+  assert all(k % boundary.MAX_MICRO_BATCHES == 0 and 2**30 <= k < 2**31
+             for k in (short, long))
+  for n in range(boundary.MAX_SHAPES - 2):
+    key('F', 3, 1, (n, 1))
+  with pytest.raises(collective.CollectiveError, match='length buckets'):
+    key('F', 3, 1, (99, 1))

@@ -27,6 +27,7 @@ import pipeline_stacks as stacks  # pylint: disable=g-bad-import-order
 import runtime_procs  # pylint: disable=g-bad-import-order
 import stage_runs  # pylint: disable=g-bad-import-order
 
+
 @pytest.mark.parametrize('model,k,r,m,schedule,recompute', [
     ('nested', 2, 1, 4, '1f1b', 'always'),
     ('transformer', 2, 1, 4, 'gpipe', 'except_last'),
@@ -46,6 +47,10 @@ import stage_runs  # pylint: disable=g-bad-import-order
     # A written schedule: 1F1B, one more warm-up forward on device 0.
     ('nested', 2, 1, 4, 'device 0: F0 F1 F2 R0 B0 F3 R1 B1 R2 B2 R3 B3\n'
      'device 1: F0 R0 B0 F1 R1 B1 F2 R2 B2 F3 R3 B3', 'always'),
+    # A softmax tied to the embedding: each end holds a copy, and its
+    # gradient is the sum over both copies (and replicas).
+    ('tied', 2, 2, 2, 'gpipe', 'always'),
+    ('tied', 4, 1, 4, '1f1b', 'except_last'),
 ])
 def test_stage_processes_equal_one_process(tmp_path, model, k, r, m,
                                            schedule, recompute):
@@ -113,3 +118,22 @@ def test_one_f_one_b_holds_the_same_activations_at_any_m(tmp_path):
     assert extra['1f1b'] < 6 * boundary, (t, growth)
     # GPipe: 12 more micro-batches × 4 layers' outputs each.
     assert extra['gpipe'] > 0.75 * 12 * 4 * boundary, (t, growth)
+
+
+def test_tied_copies_stay_bit_identical_over_fifty_steps(tmp_path):
+  """Each end of a tied weight holds a copy; after 50 steps (gradients
+  clipped at a global norm of 1, which must count the tied weight once)
+  the two copies are bit-identical, and equal one process's weight."""
+  runs = stage_runs.run(tmp_path, 'tied', 2, 1, 2, '1f1b', 'always',
+                        extra=['--train_steps=50'])
+  copies = [np.asarray(run['values']['net.emb/emb:0']) for run in runs]
+  assert np.array_equal(copies[0], copies[1])
+  net, inputs = stacks.net('tied', num_stages=2, num_micro_batches=2,
+                           schedule='1f1b', recompute='always')
+  one = stacks.train(net, inputs, stacks.loss_labels('tied'), 50)
+  assert one['norms'][0] > 1.5  # The clipping is at work.
+  for run in runs:
+    np.testing.assert_allclose(run['norms'], one['norms'], rtol=1e-5)
+    for name, value in run['values'].items():
+      np.testing.assert_allclose(value, one['values'][name], rtol=1e-5,
+                                 atol=1e-6)

@@ -10,6 +10,7 @@ from bench import efficiency
 from bench import fidelity
 from bench import keras_bench
 from bench import links_bench
+from bench import mt_timeline
 from bench import overheads
 from bench import overlap
 from bench import partition_bench
@@ -49,6 +50,8 @@ _SECTIONS = {
     'split': ('The backward split into I and W: I + W ÷ B', split_bench),
     'zero_bubble': ('Zero-bubble schedules (ZB-H1, ZB-V) beside 1F1B and '
                     'torch', zero_bubble),
+    'mt_timeline': ('A translation step on 2 stage processes '
+                    '(--timeline_steps, merged)', mt_timeline),
 }
 NAMES = tuple(_SECTIONS)
 TITLES = tuple(title for title, _ in _SECTIONS.values())

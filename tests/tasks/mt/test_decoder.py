@@ -8,7 +8,10 @@ import pytest
 import tensorflow as tf
 
 from lingvo_pipe.core.nested_map import NestedMap
+from lingvo_pipe.pipeline import collective
+from lingvo_pipe.pipeline import placement
 from lingvo_pipe.tasks.mt import decoder
+from lingvo_pipe.tasks.mt import model
 from lingvo_pipe.tasks.mt import vocab
 
 PAD, EOS, BOS = vocab.PAD_ID, vocab.EOS_ID, vocab.BOS_ID
@@ -44,8 +47,13 @@ def _teacher_forced(task, src_ids, src_paddings, hyp):
   return tf.nn.log_softmax(logits).numpy(), lengths
 
 
-def test_greedy_equals_argmax_of_teacher_forced_fprop(tiny_task_params):
-  task = _randomise(tiny_task_params(max_len=10).Instantiate())
+@pytest.mark.parametrize('tied', [False, True])
+def test_greedy_equals_argmax_of_teacher_forced_fprop(tiny_task_params, tied):
+  """Also with the softmax tied to the embedding: decoding reads the table
+  transposed, as the pipeline's forward does."""
+  p = tiny_task_params(max_len=10)
+  p.pipeline.tied_weights = model.softmax_ties() if tied else []
+  task = _randomise(p.Instantiate())
   src_ids, src_paddings = _source(np.random.default_rng(1), 3, 10,
                                   task.params.pipeline.layers[0].vocab_size)
   hyp = task.Decode(task.theta, src_ids, src_paddings).numpy()
@@ -149,3 +157,18 @@ def test_greedy_stops_at_eos_and_pads():
 def test_beam_search_rejects_bad_settings():
   with pytest.raises(decoder.DecodeError, match='beam_size'):
     decoder.beam_search(_markov_step_fn(_table()), tf.fill([1], BOS), 1, 0, 4)
+
+
+def test_decoding_on_a_stage_process_says_where_to_decode(tiny_task_params):
+  """A stage process holds one stage: decoding names the evaler, not an
+  internal class (it used to stop every task at start-up, naming
+  _RemoteLayer)."""
+  task = tiny_task_params().Instantiate()
+  peers = collective.Peers(task=1, addresses=('127.0.0.1:1', '127.0.0.1:2'))
+  task.children.pipeline._placement = placement.Placement(peers, 2)  # pylint: disable=protected-access
+  src_ids, src_paddings = _source(np.random.default_rng(1), 2, 16, 20)
+  with pytest.raises(decoder.DecodeError,
+                     match=r'holds only stage 1 of 2.*decode in one process: '
+                     r'the evaler') as e:
+    task.Decode(task.theta, src_ids, src_paddings)
+  assert '_RemoteLayer' not in str(e.value) and '\n' not in str(e.value)

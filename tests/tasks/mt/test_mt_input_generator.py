@@ -141,3 +141,17 @@ def test_bad_buckets_are_named(mt_data, bounds, sizes):
                                                bucket_batch_sizes=sizes)
   with pytest.raises(base_input_generator.InputError, match='bucket'):
     p.Instantiate()
+
+
+def test_train_batch_specs_are_the_shapes_the_buckets_make(mt_data, mt_vocab):
+  """What every stage process knows before the first step: one spec per
+  bucket, equal to the batches the dataset then makes."""
+  gen, bound = _bucket_gen(mt_data, mt_vocab)
+  dataset = gen.TrainDataset(0)
+  specs = gen.TrainBatchSpecs(dataset.element_spec)
+  assert [n for n, _ in specs] == gen.TrainBatchSizes() == [4, 2]
+  declared = {tuple(s.shape) for _, spec in specs for s in spec.values()}
+  assert declared == {(4, bound), (2, MAX_LEN)}
+  made = {tuple(v.shape) for _, batch in zip(range(8), dataset)
+          for v in batch.values()}
+  assert made == declared

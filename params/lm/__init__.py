@@ -1,0 +1,1 @@
+"""Language models: the Bible's English side (`bible_en`)."""
