@@ -180,8 +180,12 @@ def _elements(shape: tf.TensorShape) -> int:
 
 
 def as_shape(x: Any) -> Any:
-  """Converts a shape, list of ints or nested structure of them to TensorShapes."""
-  if isinstance(x, tf.TensorShape):
+  """Converts a shape, list of ints or nested structure of them to TensorShapes.
+
+  None stays None: a None leaf of an input nest (Lingvo's
+  `NestedMap(vec=x, paddings=None)`) is no tensor, and has no shape.
+  """
+  if x is None or isinstance(x, tf.TensorShape):
     return x
   if isinstance(x, (list, tuple)) and all(
       isinstance(d, (int, type(None))) for d in x):
@@ -232,7 +236,8 @@ class LayerMeta:
       if len(dtypes) != len(leaves):
         raise LayerError(f'{p.name}: FPropMeta gave {len(dtypes)} output '
                          f'dtypes for {len(leaves)} outputs {shapes}.')
-    out_bytes = sum(_elements(s) * d.size for s, d in zip(leaves, dtypes))
+    out_bytes = sum(_elements(s) * d.size for s, d in zip(leaves, dtypes)
+                    if s is not None)
     return LayerMeta(
         flops=int(flops),
         out_shapes=shapes,

@@ -249,7 +249,8 @@ class PipeliningLayer(base_layer.BaseLayer):
             'nests of them): convert it, or compute it outside the pipeline.')
     if self._plan.metas is None:
       return
-    want = tf.nest.flatten(self._plan.metas[i].out_shapes)
+    want = [w for w in tf.nest.flatten(self._plan.metas[i].out_shapes)
+            if w is not None]
     got = [t.shape for t in tf.nest.flatten(outputs) if t is not None]
     bd = self.params.batch_dim
 
@@ -382,6 +383,9 @@ class PipeliningLayer(base_layer.BaseLayer):
     leaves = []
     for shape, dtype in zip(tf.nest.flatten(meta.out_shapes),
                             meta.out_dtypes):
+      if shape is None:  # A None leaf: nothing crosses.
+        leaves.append(None)
+        continue
       dims = shape.as_list()
       dims[bd] = micro
       leaves.append(tf.TensorSpec(dims, dtype))

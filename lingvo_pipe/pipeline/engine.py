@@ -51,6 +51,16 @@ LossFn = Callable[[Any, Any], dict[str, tuple[tf.Tensor, tf.Tensor]]]
 EngineError = walker_lib.WalkerError  # A schedule or stages it cannot run.
 
 
+def _hiding_none(stages: Sequence[Stage]) -> list[Stage]:
+  """Stages whose inputs and outputs hide their None leaves (each layer
+  still gets and returns them): see `microbatch.hide_none`."""
+
+  def _wrap(fprop: Callable[..., Any]) -> Callable[..., Any]:
+    return lambda theta, x, *side: microbatch.hide_none(fprop(
+        theta, *(microbatch.show_none(a) for a in (x, *side))))
+  return [Stage(_wrap(s.fprop), s.theta, s.device, s.inline) for s in stages]
+
+
 def _read_thetas(stages: Sequence[Stage]) -> list[Any]:
   """Each stage's weights, read on its own device."""
   thetas = []
@@ -118,6 +128,7 @@ def run(stages: list[Stage], inputs: tuple[Any, ...],
   """
   forward_ops, backward_ops = _forward_prefix(schedule)
   num_micro = schedule.num_micro_batches
+  stages, inputs = _hiding_none(stages), microbatch.hide_none(inputs)
   walker = walker_lib.Walker(stages, schedule, microbatch.batch_size(
       inputs, batch_dim, 'pipeline'), batch_dim)
   walker.seeds = []  # Given once the outer tape asks for gradients.
@@ -158,7 +169,7 @@ def run(stages: list[Stage], inputs: tuple[Any, ...],
   out, stats = structure
   n_out = len(tf.nest.flatten(out))
   _merge_stats(tf.nest.pack_sequence_as(stats, flat[n_out:]))
-  return tf.nest.pack_sequence_as(out, flat[:n_out])
+  return microbatch.show_none(tf.nest.pack_sequence_as(out, flat[:n_out]))
 
 
 def _loss_stage(stage: Stage, loss_fn: LossFn) -> Stage:
@@ -193,8 +204,9 @@ def _metric_names(loss_fn: LossFn, out_spec: Any, labels: Any) -> list[str]:
   label_spec = tf.nest.map_structure(
       lambda t: tf.TensorSpec(t.shape, t.dtype), labels)
   out_spec = out_spec[0] if len(out_spec) == 1 else out_spec
-  traced = tf.function(loss_fn, autograph=False).get_concrete_function(
-      out_spec, label_spec)
+  traced = tf.function(
+      lambda y, side: loss_fn(*microbatch.show_none((y, side))),
+      autograph=False).get_concrete_function(out_spec, label_spec)
   return sorted(traced.structured_outputs)
 
 
@@ -229,7 +241,10 @@ def run_with_loss(stages: list[Stage], inputs: tuple[Any, ...], labels: Any,
     and the float inputs); the other metrics are not.
   """
   num_micro = schedule.num_micro_batches
-  stages = stages[:-1] + [_loss_stage(stages[-1], loss_fn)]
+  stages = _hiding_none(stages[:-1] + [_loss_stage(stages[-1], loss_fn)])
+  inputs, labels = microbatch.hide_none(inputs), microbatch.hide_none(labels)
+  if specs is not None:
+    specs = lambda s, given=specs: microbatch.hide_none(given(s))
   walker = walker_lib.Walker(stages, schedule, microbatch.batch_size(
       inputs, batch_dim, 'pipeline'), batch_dim, placement, specs)
   placement = walker.placement

@@ -133,7 +133,8 @@ class Plan:
     p = self.params
     if p.input_shapes is None:
       return None
-    shape = tf.nest.flatten(base_layer.as_shape(tuple(p.input_shapes)))[0]
+    shape = next((s for s in tf.nest.flatten(base_layer.as_shape(
+        tuple(p.input_shapes))) if s is not None), tf.TensorShape(None))
     dims = shape.as_list() if shape.rank is not None else []
     return dims[p.batch_dim] if len(dims) > p.batch_dim else None
 
@@ -191,7 +192,9 @@ class Plan:
     if batch_size is None:
       return shapes
 
-    def _set(s: tf.TensorShape) -> tf.TensorShape:
+    def _set(s: tf.TensorShape | None) -> tf.TensorShape | None:
+      if s is None:  # A None leaf.
+        return None
       dims = s.as_list()
       dims[p.batch_dim] = batch_size
       return tf.TensorShape(dims)
