@@ -24,6 +24,7 @@ from typing import Callable, Iterator
 
 from absl import app
 from absl import flags
+from absl import logging
 import tensorflow as tf
 
 from lingvo_pipe import _startup
@@ -154,6 +155,8 @@ def validate_train_params(params: Params) -> None:
                       f'off), got {value}.')
 
 
+  if learning_rate.short_run_warning(train):  # A smoke run: no error.
+    logging.warning(learning_rate.short_run_warning(train))
 def set_devices(params: Params, devices_flag: str) -> None:
   """--devices=a,b: one device per pipeline stage (task.pipeline.devices)."""
   if not devices_flag:
