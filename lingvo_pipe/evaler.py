@@ -46,7 +46,6 @@ import json
 import os
 import time
 
-from absl import app
 from absl import flags
 from absl import logging
 import numpy as np
@@ -273,8 +272,7 @@ def build_params(logdir: str, dataset: str) -> Params:
 
 
 def _main(argv: list[str]) -> None:
-  if len(argv) > 1:
-    raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
+  del argv  # The flags parser refuses positional arguments.
   with _cli.exit_on_user_error('evaler'):
     devices.configure_logical_cpus(_NUM_CPUS.value)  # Before any TF op.
     if not _LOGDIR.value:

@@ -47,7 +47,6 @@ from lingvo_pipe import _cli
 import os
 import time
 
-from absl import app
 from absl import flags
 from absl import logging
 import tensorflow as tf
@@ -419,8 +418,7 @@ def _prepare(params: Params, logdir: str):
 
 
 def _main(argv: list[str]) -> None:
-  if len(argv) > 1:
-    raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
+  del argv  # The flags parser refuses positional arguments.
   with _cli.exit_on_user_error('trainer'):
     cluster = processes.cluster_from(flags.FLAGS.cluster_spec,
                                      flags.FLAGS.job, flags.FLAGS.task)
