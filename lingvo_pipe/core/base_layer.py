@@ -48,6 +48,7 @@ import contextlib
 import dataclasses
 import hashlib
 import math
+import numbers
 import re
 import threading
 from typing import Any, Iterator, Sequence
@@ -270,9 +271,10 @@ class BaseLayer(tf.Module):
              'parent\'s path + "." + name. Defaults to the class name.')
     p.Define('dtype', tf.float32, 'Dtype of the variables.')
     p.Define('fprop_dtype', None, 'Dtype of the computation; None = the '
-             'parent layer\'s fprop_dtype, else dtype.')
+             'parent layer\'s fprop_dtype, else dtype.', value_type=tf.DType)
     p.Define('random_seed', None, 'Seed of the initial values; None inherits '
-             f'the parent\'s ({DEFAULT_RANDOM_SEED} at the root).')
+             f'the parent\'s ({DEFAULT_RANDOM_SEED} at the root).',
+             value_type=int)
     p.Define('params_init', WeightInit.Xavier(1.0), 'Default initialiser of '
              'this layer\'s weights.')
     return p
@@ -291,6 +293,9 @@ class BaseLayer(tf.Module):
     seed = params.random_seed
     if seed is None:
       seed = parent.random_seed if parent is not None else DEFAULT_RANDOM_SEED
+    if not isinstance(seed, numbers.Integral) or isinstance(seed, bool):
+      raise LayerError(f'{self._path}: random_seed={seed!r}; give an int '
+                       '(or None to inherit the parent\'s).')
     self._random_seed = int(seed)
     self._private_vars = NestedMap()
     self._private_children = NestedMap()

@@ -79,10 +79,11 @@ def num_micro_batches(batch_size: int | tf.Tensor, num_micro_batches: int,
                       micro_batch_size: int | None, where: str) -> int:
   """M from the params, checked against the batch size N."""
   if micro_batch_size is not None:
-    if micro_batch_size < 1:
+    if not isinstance(micro_batch_size, int) or isinstance(
+        micro_batch_size, bool) or micro_batch_size < 1:
       raise MicroBatchError(
-          f'{where}: micro_batch_size must be ≥ 1 (or None to use '
-          f'num_micro_batches), got {micro_batch_size}.')
+          f'{where}: micro_batch_size must be ≥ 1 (an int, or None to use '
+          f'num_micro_batches), got {micro_batch_size!r}.')
     if not isinstance(batch_size, int):
       raise MicroBatchError(
           f'{where}: micro_batch_size={micro_batch_size} needs a static batch '

@@ -20,6 +20,7 @@ prints the partition of a paper-sized config (8 stages of AmoebaNet-D(18,
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from typing import Any
 
@@ -348,6 +349,11 @@ def make_plan(p: Any, where: str, profile_inputs: Any = None) -> Plan:
   if p.costs == 'profile':
     costs, unit = _profiled_costs(p, layers, where, profile_inputs), 'seconds'
   elif p.costs is not None:
+    if isinstance(p.costs, str) or not all(
+        isinstance(c, (int, float)) and not isinstance(c, bool) and
+        0 <= c < math.inf for c in p.costs):
+      raise PlanError(f'{where}: costs={p.costs!r}; give one finite cost ≥ 0 '
+                      'per layer (e.g. [1.0, 2.5]), \'profile\', or None.')
     if len(p.costs) != len(layers):
       raise PlanError(
           f'{where}: p.costs has {len(p.costs)} entries but there are '
