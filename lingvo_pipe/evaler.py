@@ -192,10 +192,16 @@ class Evaler:
                            sorted(record['metrics'].items())))
 
   def run_once(self, latest_only: bool) -> None:
+    listed = checkpoints.list_checkpoints(self._logdir)
+    if not listed:  # Not "nothing new": nothing at all.
+      raise _cli.UserError(
+          f'{self._logdir} holds no checkpoint yet (none is listed in '
+          f'{os.path.join(self._logdir, checkpoints.STATE_FILE)}), so there '
+          'is nothing to score; run the trainer first, or use '
+          '--mode=continuous to wait for its checkpoints.')
     todo = self.unscored()
     if latest_only:
-      listed = checkpoints.list_checkpoints(self._logdir)
-      todo = [c for c in todo if listed and c == listed[-1]]
+      todo = [c for c in todo if c == listed[-1]]
     if not todo:
       logging.info('Nothing new to score in %s.', self._logdir)
     for ckpt in todo:

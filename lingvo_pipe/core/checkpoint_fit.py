@@ -74,9 +74,11 @@ def misfit(root: Any, prefixes: Sequence[str]) -> str:
   return ''
 
 
-def _rank(v: tf.Variable) -> tuple[int, str]:
-  """Weights before their optimizer slots (`w` before `w/m`)."""
-  return _name(v).count('/'), _name(v)
+def _rank(v: tf.Variable) -> tuple[bool, int, str]:
+  """Layer weights first (`fc0/w`), then their optimizer slots (`fc0/w/m`),
+  then the rest (`global_step`)."""
+  depth = _name(v).count('/')
+  return depth == 0, depth, _name(v)
 
 
 def _more(found: list, template: str) -> str:

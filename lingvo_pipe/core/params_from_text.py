@@ -83,7 +83,9 @@ def _set_from_text(root: hyperparams.Params, path: str,
 def _declared_type(node: hyperparams.Params, key: str,
                    index: int | None) -> Any:
   """`Define`'s value_type of key (None for a list element: any)."""
-  return None if index is not None else node._params[key].value_type  # pylint: disable=protected-access
+  if index is not None:
+    return None
+  return node._params[key].value_type  # pylint: disable=protected-access
 
 
 def _check_declared(node: hyperparams.Params, key: str, index: int | None,

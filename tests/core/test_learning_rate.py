@@ -66,7 +66,7 @@ def test_invalid_params_name_the_key(override, key):
     learning_rate.validate(_train(**override))
 
 
-# ---- Smoke runs (issue 29) ------------------------------------------------------
+# ---- Smoke runs (issue 29) ---------------------------------------------------
 # `--max_steps=5` is how people check that a model runs at all. With a
 # 10-step warm-up the trainer refused it ("make max_steps larger than the
 # warm-up"), and the cosine term then divided by max_steps − w (NaN at
