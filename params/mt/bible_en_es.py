@@ -9,7 +9,9 @@ cut into 2 stages (logical CPU devices), 4 micro-batches per step, batches
 in 3 length buckets. TransformerSmallBf16 is the same in bfloat16 compute,
 faster on CPUs with bfloat16 units (AMX, AVX512-BF16). A 60-minute run of
 TransformerSmallBf16 on 2 cores (`--max_train_minutes=60`: 1,971 steps,
-~7.5 epochs) scored test BLEU 17.3 and dev BLEU 19.4 (greedy, sacrebleu).
+~7.5 epochs) scored test BLEU 17.3 and dev BLEU 19.4 (greedy, sacrebleu);
+`--max_steps=1971` trains the same steps (README lists the commands). The
+registered MAX_STEPS stops at 1000.
 TransformerDeep is GPipe's deep recipe for accelerators: 24+24 layers,
 8 stages × 32 micro-batches, scaled-down feed-forward init and clipped logits.
 
