@@ -237,19 +237,19 @@ def task_commands(worker: str, worker_flags: Sequence[str],
           for i in range(len(addresses))]
 
 
-def _refuse(message: str) -> None:
-  """A bad flag or argument: one line and exit status 2, as the binaries."""
+def _refusal(message: str) -> int:
+  """Says why a flag or argument is refused (one line, as the binaries do);
+  returns the exit status, 2."""
   _say(f'error: {" ".join(message.split())}')
-  sys.exit(2)
+  return 2
 
 
-def _parse_flags(argv: list[str]) -> list[str]:
+def _parse(argv: list[str]) -> list[str]:
   """absl's parse, with a bad flag as one line (not absl's FATAL and exit 1)."""
   try:
     return flags.FLAGS(argv)
   except flags.Error as e:
-    _refuse(f'{e}; see --helpfull.')
-    raise  # Not reached.
+    sys.exit(_refusal(f'{e}; see --helpfull.'))
 
 
 def stray_argument(worker_flags: Sequence[str]) -> str | None:
@@ -267,12 +267,13 @@ def main(argv: list[str]) -> None:
   worker_flags = argv[1:]
   k, r = _NUM_STAGES.value, _NUM_REPLICAS.value
   if k < 1 or r < 1:
-    _refuse(f'--num_stages={k} and --num_replicas={r} must both be ≥ 1.')
+    sys.exit(_refusal(f'--num_stages={k} and --num_replicas={r} must both be '
+                      '≥ 1.'))
   stray = stray_argument(worker_flags)
   if stray is not None:
-    _refuse(f'unexpected argument {stray!r}: the tasks take --flag=value '
-            'arguments after "--" (quote a value with spaces); see '
-            'python -m lingvo_pipe.worker --helpfull.')
+    sys.exit(_refusal(f'unexpected argument {stray!r}: the tasks take '
+                      '--flag=value arguments after "--" (quote a value with '
+                      'spaces); see python -m lingvo_pipe.worker --helpfull.'))
   n = k * r
   host = _HOST.value
   held = [] if _BASE_PORT.value else reserve_ports(n)
@@ -300,7 +301,7 @@ def main(argv: list[str]) -> None:
 
 def run() -> None:
   """Console script `lingvo_pipe_launch`."""
-  app.run(main, flags_parser=_parse_flags)
+  app.run(main, flags_parser=_parse)
 
 
 if __name__ == '__main__':
