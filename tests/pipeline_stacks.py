@@ -191,6 +191,35 @@ def reference(net, inputs, num_micro_batches, step=7, layers=None):
   return value, out, tape.gradient(value, net.theta), collector.stats
 
 
+def loss_reference(model: str, num_micro_batches: int) -> tuple:
+  """(float32, float64) references of the FPropLoss step: loss, gradients,
+  statistics (sorted by path) of plain autodiff, micro-batch by
+  micro-batch; they do not depend on K, the schedule or the policy."""
+  pipe, inputs = net(model, num_stages=1,
+                     num_micro_batches=num_micro_batches)
+  labels = loss_labels(model)
+  out = []
+  for layers in (pipe.children.layers, float64_twin(pipe).children.layers):
+    with tf.GradientTape() as tape:
+      _, y, _, stats = reference(pipe, inputs, num_micro_batches,
+                                 layers=layers)
+      loss = weighted_loss(y, labels)['loss'][0]
+    grads = tape.gradient(loss, pipe.theta)
+    out.append((loss, grads, [stats[k] for k in sorted(stats)]))
+  return tuple(out)
+
+
+def pipelined_loss(net, inputs, labels):
+  """Loss, gradients and statistics (sorted by path) of one FPropLoss step."""
+  collector = fprop_context.StatsCollector()
+  with tf.GradientTape() as tape:
+    with fprop_context.scope(training=True, step=7, stats=collector):
+      metrics = net.FPropLoss(net.theta, inputs, labels, weighted_loss)
+  grads = tape.gradient(metrics['loss'][0], net.theta)
+  stats = collector.stats
+  return metrics['loss'][0], grads, [stats[k] for k in sorted(stats)]
+
+
 def max_rel_diff(a, b) -> float:
   return transparency.max_rel_diff(a, b)[0]
 

@@ -1,14 +1,13 @@
-"""The benchmark suite: the issues' targets, measured side by side here.
+"""The benchmark suite: the project's targets, measured side by side here.
 
     python tools/benchmark.py all                 # the full report (quiet machine)
     python tools/benchmark.py efficiency          # one section
     python tools/benchmark.py all --tiny          # smoke test, a few minutes
 
-Sub-commands (sections.py): efficiency, overlap, table1, peer, slices
-(issue 9: stage processes, data parallelism, GPipe Table 1, torch's
-pipelining, the compute threads' scheduler slice);
-schedules, fidelity, partition, overheads, timeline (issue 10: 1F1B vs
-GPipe, the simulator, profiled partitions, tracing, pictures). Each writes
+Sub-commands (sections.py), one per topic: stage processes and data
+parallelism (efficiency, overlap, table1, peer, slices); schedules and
+their cost (schedules, fidelity, partition, overheads, tracing, timeline).
+Each writes
 its section into docs/benchmarks.json and re-renders docs/benchmarks.md
 (plus PNGs) from it. `all` runs each sub-command in its own child process,
 so the allocator and TF runtime of one section cannot leak into the next;

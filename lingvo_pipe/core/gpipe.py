@@ -77,7 +77,8 @@ class PipeliningLayer(base_layer.BaseLayer):
     p.Define('layers', [], 'The sequence: layer Params with unique names '
              '(variables are keyed by them); each layer\'s outputs (a tuple '
              '= several positional inputs) feed the next.')
-    p.Define('num_stages', 1, 'K: devices; stage s runs on devices[s mod K].')
+    p.Define('num_stages', 1, 'K: devices; the schedule says which stages '
+             'each runs (the built-in ones: stage s on devices[s mod K]).')
     p.Define('split_points', None, 'Optional K·v−1 increasing layer indices '
              'where stages 1.. start; overrides the partitioner.',
              value_type=list)
@@ -109,7 +110,9 @@ class PipeliningLayer(base_layer.BaseLayer):
     p.Define('schedule', 'gpipe', 'gpipe: all forwards, then all backwards '
              '(M micro-batches of activations per stage); 1f1b: PipeDream-'
              'flush, at most K−k in flight on stage k; interleaved: 1f1b over '
-             'v chunks per device, bubble ÷ v. 1f1b and interleaved need the '
+             'v chunks per device, bubble ÷ v. Or a schedule written as text '
+             '(one row per device, e.g. "device 0: F0 F1 R1 B1 R0 B0"; '
+             'docs/design.md) or a file holding one. All but gpipe need the '
              'loss in the pipeline (FPropLoss).')
     p.Define('virtual_stages_per_device', 2, 'v, with schedule='
              '\'interleaved\': each device holds v non-adjacent stages.')
@@ -132,8 +135,10 @@ class PipeliningLayer(base_layer.BaseLayer):
     p.Define('loop_steady_state', True, 'Trace the periodic middle of the '
              'schedule (its steady state) as a tf.while_loop over micro-'
              'batches, so that tracing time and graph size do not grow with '
-             'M. Only in one process without a timeline; stage processes '
-             'and recorded steps emit every op. False: emit every op.')
+             'M (in one process, on stage processes, recorded or not). '
+             'Stages that keep their activations (no recompute) loop only '
+             'where their tapes stay in one iteration. False: emit every '
+             'action.')
     p.Define('batch_dim', 0, 'Batch dimension of every tensor that crosses '
              'a stage boundary (1 for time-major [T, B, ...]).')
     return p
@@ -198,11 +203,11 @@ class PipeliningLayer(base_layer.BaseLayer):
     return list(self._devices)
 
   def stage_device(self, stage: int) -> str:
-    return self._devices[stage % len(self._devices)]
+    return self._devices[self._plan.stage_devices[stage]]
 
   def is_local(self, stage: int) -> bool:
     """Whether this process runs `stage` (always, in one process)."""
-    return self._placement.is_local(stage % len(self._devices))
+    return self._placement.is_local(self._plan.stage_devices[stage])
 
   @property
   def placement(self) -> placement_lib.Placement:

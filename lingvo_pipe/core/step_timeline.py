@@ -83,7 +83,7 @@ class TimelineSteps:
     self._dir = os.path.join(logdir, TIMELINE_DIR)
     self._steps = set(steps)
     self._train_step = train_step
-    self._keys: list[tuple[int, int, str]] = []
+    self._keys: list[Any] = []
     self._fn = tf.function(self._recorded_step, autograph=False)
 
   def wants(self, step: int) -> bool:
@@ -95,17 +95,14 @@ class TimelineSteps:
   def _recorded_step(self, batch: Any) -> tuple[Any, ...]:
     ops: list[Any] = []
     outputs = self._train_step(batch, timeline=ops)
-    self._keys = [(int(k), int(m), str(kind)) for k, m, kind, _, _ in ops]
-    stamps = (tf.stack([tf.stack([s, e]) for *_, s, e in ops]) if ops else
-              tf.zeros([0, 2], tf.float64))
+    self._keys, stamps = timeline.stamps(ops)
     return tuple(outputs) + (stamps,)
 
   def run(self, step: int, batch: Any) -> tuple[Any, ...]:
     """Runs training step `step` recorded; writes its files; returns the
     train step's outputs."""
     *outputs, stamps = _without_op_determinism(self._fn, batch)
-    records = [timeline.Record(k, m, kind, float(s), float(e))
-               for (k, m, kind), (s, e) in zip(self._keys, stamps.numpy())]
+    records = timeline.from_stamps(self._keys, stamps.numpy())
     if step not in self._steps:
       pass  # The warm-up run before a chosen step.
     elif records:

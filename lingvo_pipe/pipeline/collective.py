@@ -1,21 +1,23 @@
-"""Stage-boundary transfers and all-reduces between stage processes.
+"""Collectives between stage processes: all-reduces, barriers, transfers.
 
 With one process per pipeline stage (and per data-parallel replica), every
-process runs its own stage's ops inside one `tf.function` per step, and the
-tensors that cross a stage boundary travel over TensorFlow's collective
-runtime: a 2-member broadcast group per pair of tasks for a send/recv, and a
-ring all-reduce for gradients and the step barrier. `Peers` is this
-process's view of that: its task index, the tasks' addresses, its device, and
-the four operations the engine calls:
+process runs its own stage's actions inside one `tf.function` per step,
+and what processes exchange travels over TensorFlow's collective runtime:
+a 2-member broadcast group per pair of tasks for a send/recv, and a ring
+all-reduce for gradients, statistics and the step barrier. `Peers` is this
+process's view of that: its task index, the tasks' addresses, its device,
+and the operations the engine calls:
 
-    token = peers.send(activations, to_task=1, key=('F', 0, m))      # task 0
-    x = peers.recv(specs, from_task=0, key=('F', 0, m), after=[prev])  # task 1
     grads = peers.all_reduce(grads, tasks=[1, 3], key=('grads', 1))
     loss_and_flag = peers.barrier([loss, finite])   # every task, every step
+    token = peers.send(value, to_task=1, key=('ping', 0))        # task 0
+    x = peers.recv(specs, from_task=0, key=('ping', 0))          # task 1
 
-Why it looks like this (each point was measured on TF 2.21):
+The executor's stage-boundary transfers, which must also match inside
+`tf.while_loop`s, go through `boundary.py`. Why the rest looks like this
+(each point was measured on TF 2.21):
 - A collective is matched across processes by (group key, instance key), two
-  int32s both sides must compute alike. The caller names a transfer with a
+  int32s both sides must compute alike. The caller names a collective with a
   tuple `key`; the group key is a bitmask of the member tasks and the
   instance key a blake2b digest of the key and what else tells collectives
   apart (a transfer's direction and leaf, an all-reduce's dtype and chunk;
@@ -27,24 +29,17 @@ Why it looks like this (each point was measured on TF 2.21):
 - Reusing the same keys on every step (one traced function called again) is
   how it is meant to be used; keys only need to be unique within a step.
 - A send completes only once the receiver has posted the matching recv (it is
-  a rendezvous, not a buffer), and a recv is posted as soon as its inputs
-  are ready. So: never make a later op of the sending device wait on a
-  send's token (two stages that each send before they receive would wait on
-  each other for ever, e.g. in 1F1B); keep tokens for the step's end
-  (`barrier(after=...)`). Order recvs with `after` instead: a recv posted
-  behind an earlier op of its device is what bounds the activations a
-  stage holds (1F1B's memory bound); a recv with no `after` is posted at the
-  step's start. `after` is a data dependency of the recv (`_ready`): as
-  control edges, Grappler dropped them. Post a recv some ops before its
-  reader, not behind the previous one: a recv posted before its send gets
-  the data as soon as it is sent, one posted after waits a round trip
-  (tools/probe_collective.py --recv_lookahead: the gap between a tensor being
-  ready and its consumer starting fell from ~5 ms to 0.05 ms at K=2, 1 MiB,
-  one op ahead; the walker posts 3 ops ahead, `walker.RECV_LOOKAHEAD`).
+  a rendezvous, not a buffer). So never make a later op of the sending
+  device wait on a send's token (two stages that each send before they
+  receive would wait on each other for ever, e.g. in 1F1B); keep tokens
+  for the step's end (`barrier(after=...)`). Order recvs with `after`
+  instead, a data dependency (`dependency.ready`): as control edges,
+  Grappler dropped them.
 - Collective ops are asynchronous in a `tf.function`: automatic control
   dependencies neither order nor keep them. A send whose token nobody uses
   would be pruned, and its receiver would wait out the timeout; `send` marks
-  its ops to run anyway, and still returns the token.
+  its ops to run anyway (`dependency.independent`), and still returns the
+  token.
 - Without a timeout a mismatched key hangs for ever. But TF arms a timeout
   with a thread per op that sleeps out the whole timeout (TF 2.21): at ~37
   collectives a step, 300 s of timeout held ~16,000 threads per process,
@@ -71,11 +66,12 @@ import dataclasses
 import hashlib
 import re
 import weakref
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
 import tensorflow as tf
 
 from lingvo_pipe import errors
+from lingvo_pipe.pipeline import dependency
 
 Key = tuple  # Of str/int; both sides of a transfer build it alike.
 
@@ -133,6 +129,10 @@ class Peers:
   def _op_timeout_s(self) -> float:
     return self.timeout_s if self.op_timeout_s is None else self.op_timeout_s
 
+  def op_timeout(self) -> float:
+    """The TF timeout each collective op carries (0: none)."""
+    return self._op_timeout_s
+
   @property
   def num_tasks(self) -> int:
     return len(self.addresses)
@@ -175,7 +175,7 @@ class Peers:
             input=_widen(x, key), group_size=2, group_key=group,
             instance_key=instance, timeout_seconds=self._op_timeout_s,
             name=f'lp_send_g{group}_i{instance}')
-        _run_even_if_unused(op)
+        dependency.independent([op])
         ops.append(op)
     if tf.executing_eagerly() or not ops:
       return None
@@ -201,7 +201,7 @@ class Peers:
     leaves = tf.nest.flatten(spec)
     out = []
     with tf.device(self.device):
-      ready = _ready(self.device, after)
+      ready = dependency.ready(self.device, after)
       for leaf, s in enumerate(leaves):
         if s is None:
           out.append(None)
@@ -218,7 +218,7 @@ class Peers:
         x = tf.raw_ops.CollectiveBcastRecvV2(
             group_size=2, group_key=group,
             instance_key=instance if ready is None else instance + ready,
-            shape=shape.as_list(), T=_wire_dtype(dtype, key),
+            shape=shape.as_list(), T=wire_dtype(dtype, key),
             timeout_seconds=self._op_timeout_s,
             name=f'lp_recv_g{group}_i{instance}')
         out.append(tf.cast(x, dtype) if x.dtype != dtype else x)
@@ -318,6 +318,20 @@ class Peers:
     members = tuple(sorted(members))
     group = _group_key(members, self.num_tasks)
     instance = _digest((key,) + salt)
+    self.register(group, instance, what, members, instance)
+    return group, instance
+
+  def group_of(self, members: Sequence[int]) -> int:
+    """The group key of the tasks `members`."""
+    return _group_key(tuple(sorted(members)), self.num_tasks)
+
+  def register(self, group: int, instance: int, what: str,
+               members: Sequence[int], use: Any) -> None:
+    """Records collective `what` under (group, instance) for `explain`;
+    refuses two different collectives with one key, and one collective
+    built twice in a function (`use` tells legitimate repeats apart, e.g.
+    the micro-batch of a transfer whose instance key adds it)."""
+    members = tuple(sorted(members))
     seen, _ = self._registry.setdefault((group, instance), (what, members))
     if seen != what:
       raise CollectiveError(
@@ -326,13 +340,12 @@ class Peers:
     if not tf.executing_eagerly():
       graph = tf.compat.v1.get_default_graph()
       used = self._per_graph.setdefault(graph, set())
-      if (group, instance) in used:
+      if (group, instance, use) in used:
         raise CollectiveError(
             f'{what} is built twice in one function ({graph.name}); give '
             'each collective of a step its own key (e.g. add the '
             'micro-batch index).')
-      used.add((group, instance))
-    return group, instance
+      used.add((group, instance, use))
 
   def _check_peer(self, task: int, kind: str, key: Key) -> None:
     if not 0 <= task < self.num_tasks or task == self.task:
@@ -395,9 +408,10 @@ def _check_key(key: Key) -> None:
 
 
 def _digest(parts: Any) -> int:
-  """A stable int32 ≥ 1 (repr of str/int tuples is stable across runs)."""
+  """A stable int32 in [1, 2³⁰) (repr of str/int tuples is stable across
+  runs); [2³⁰, 2³¹) is left to stage-boundary transfers (`boundary.py`)."""
   raw = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
-  return int.from_bytes(raw, 'little') % (2**31 - 2) + 1
+  return int.from_bytes(raw, 'little') % (2**30 - 1) + 1
 
 
 def _group_key(members: Sequence[int], num_tasks: int) -> int:
@@ -429,7 +443,8 @@ def _buckets(tensors: list[tf.Tensor], itemsize: int
   return buckets
 
 
-def _wire_dtype(dtype: tf.DType, key: Key) -> tf.DType:
+def wire_dtype(dtype: tf.DType, key: Key) -> tf.DType:
+  """The dtype `dtype` travels as (widened losslessly where needed)."""
   if dtype in _NATIVE:
     return dtype
   if dtype in _WIDER:
@@ -440,61 +455,9 @@ def _wire_dtype(dtype: tf.DType, key: Key) -> tf.DType:
 
 
 def _widen(x: tf.Tensor, key: Key) -> tf.Tensor:
-  wire = _wire_dtype(x.dtype, key)
+  wire = wire_dtype(x.dtype, key)
   return x if wire == x.dtype else tf.cast(x, wire)
 
 
 def _deps(after: Iterable[Any]) -> list[Any]:
   return [d for d in tf.nest.flatten(list(after)) if d is not None]
-
-
-_AFTER: dict[tuple[str | None, Any], Any] = {}
-
-
-def made_after(device: str | None, tensors: Sequence[tf.Tensor],
-               make: Callable[[], tf.Tensor]) -> tf.Tensor:
-  """`make()` on `device`, once every tensor in `tensors` exists.
-
-  In a graph the result comes out of a `_noinline` function of `tensors`,
-  so it waits by data, a boundary Grappler does not fold across. As control
-  edges the waits were lost where Grappler rewrote the ops they named (e.g.
-  a loss `value * weight` with `value = sum / weight`): every recv of the
-  last stage was posted at the step's start, its 1F1B activations grew with
-  M (profiler allocation events), and its forwards' end stamps fired early.
-  `make` is a module-level function (one traced function per device and
-  `make`).
-  """
-  if tf.executing_eagerly():
-    return make()
-  key = (device, make)
-  if key not in _AFTER:
-    def _made(*waited: tf.Tensor) -> tf.Tensor:
-      with tf.device(device), tf.control_dependencies(waited):
-        return make()
-    _AFTER[key] = tf.function(_made, autograph=False,
-                              experimental_attributes={'_noinline': True})
-  return _AFTER[key](*tensors)
-
-
-def _zero() -> tf.Tensor:
-  return tf.constant(0, tf.int32)
-
-
-def _ready(device: str, after: Iterable[Any]) -> tf.Tensor | None:
-  """An int32 zero that exists only once every tensor in `after` does; a
-  recv adds it to its instance key, so it cannot be posted earlier."""
-  deps = _deps(after)
-  if not deps or tf.executing_eagerly():
-    return None
-  tensors = [d for d in deps if isinstance(d, tf.Tensor)]
-  ops = [d for d in deps if not isinstance(d, tf.Tensor)]
-  with tf.control_dependencies(ops):
-    return made_after(device, tensors, _zero)
-
-
-def _run_even_if_unused(op: tf.Tensor) -> None:
-  """Makes a tf.function run `op` though no output depends on it."""
-  graph = tf.compat.v1.get_default_graph()
-  manager = getattr(graph, 'experimental_acd_manager', None)
-  if manager is not None and not tf.executing_eagerly():
-    manager.run_independently(op.op)

@@ -1,21 +1,21 @@
-"""The engine: executes a `schedule.Schedule` in one graph.
+"""The engine: one training step of a schedule, as a differentiable op.
 
-    walk the schedule in dependency order (schedule.emission_order):
-      F(s, m)    stage s's forward of micro-batch m, on s's device
-      R+B(s, m)  its recompute (if s recomputes) and backward
-    each op waits for the previous op of its device (the schedule's order)
-    and for the ops `schedule.dependencies` names (the data it reads).
+    split inputs (and labels) into M micro-batches          (microbatch.py)
+    run the schedule's actions, in one process or several   (executor.py)
+    return the outputs (or the loss and metrics); their gradient is the
+    gradients the backward actions accumulated
 
-Two entry points share the walker:
+Two entry points:
 
 * `run` — differentiable under an ordinary outer `tf.GradientTape`: a
-  `tf.custom_gradient` whose forward emits every F, and whose gradient
-  function emits the rest. That needs a schedule in which every device runs
-  all its forwards before any backward (GPipe).
+  `tf.custom_gradient` whose forward runs every F, and whose gradient
+  function runs the rest with the outer tape's output gradients as seeds.
+  That needs a schedule in which every device runs all its forwards before
+  any backward (GPipe).
 * `run_with_loss` — the last stage also computes each micro-batch's loss,
-  so backwards can start while forwards still run (1F1B, interleaved):
-  the forward of the custom gradient emits the whole schedule, and its
-  gradient function only scales the gradients it already has.
+  so backwards can start while forwards still run (1F1B, interleaved, any
+  schedule): the forward of the custom gradient runs the whole schedule,
+  and its gradient function only scales the gradients it already has.
 
 The loss is a weighted mean: each micro-batch's `loss_fn` returns metrics
 `{name: (value, weight)}`; the step's value is Σ value·weight / Σ weight.
@@ -23,10 +23,10 @@ Each backward is seeded with d(value·weight) = 1 and the accumulated
 gradients are divided by Σ weight at the end, which is exact for any split
 into micro-batches (the weights are counts: they must not depend on theta).
 
-What one op computes, and why each detail is there, is in `stage_ops.py`.
-Timing, when `fprop_context.scope(timeline=[])` is open, wraps each op.
-In one process the walker traces a schedule's steady state once, as a
-`tf.while_loop` (`loops.py`, `looping.py`; `p.loop_steady_state`).
+With stage processes each process runs its own stages' actions, with the
+transfers of `Schedule.with_transfers` between them; metrics are reduced
+over every task (the step's barrier), and each stage's gradients and
+statistics over its replicas.
 """
 
 from __future__ import annotations
@@ -36,19 +36,17 @@ from typing import Any, Callable, Sequence
 import tensorflow as tf
 
 from lingvo_pipe.core import fprop_context
+from lingvo_pipe.pipeline import executor as executor_lib
 from lingvo_pipe.pipeline import microbatch
 from lingvo_pipe.pipeline import placement as placement_lib
-from lingvo_pipe.pipeline import schedule as schedule_lib
-from lingvo_pipe.pipeline import stage_ops
-from lingvo_pipe.pipeline import walker as walker_lib
-from lingvo_pipe.pipeline.stage_ops import Stage
+from lingvo_pipe.pipeline.actions import Schedule, emission_order, keys_of
+from lingvo_pipe.pipeline.executor import Executor, Feed, Specs
+from lingvo_pipe.pipeline.stage import Stage, differentiable
 
 __all__ = ['EngineError', 'Stage', 'run', 'run_with_loss']
 
 LossFn = Callable[[Any, Any], dict[str, tuple[tf.Tensor, tf.Tensor]]]
-
-
-EngineError = walker_lib.WalkerError  # A schedule or stages it cannot run.
+EngineError = executor_lib.ExecutorError  # A schedule or stages it cannot run.
 
 
 def _hiding_none(stages: Sequence[Stage]) -> list[Stage]:
@@ -61,12 +59,12 @@ def _hiding_none(stages: Sequence[Stage]) -> list[Stage]:
   return [Stage(_wrap(s.fprop), s.theta, s.device, s.inline) for s in stages]
 
 
-def _read_thetas(stages: Sequence[Stage]) -> list[Any]:
-  """Each stage's weights, read on its own device."""
+def _read_thetas(stages: Sequence[Stage], local: Sequence[int]) -> list[Any]:
+  """Each local stage's weights, read on its own device."""
   thetas = []
-  for stage in stages:
-    with tf.device(stage.device):
-      thetas.append(tf.nest.map_structure(tf.identity, stage.theta))
+  for s in local:
+    with tf.device(stages[s].device):
+      thetas.append(tf.nest.map_structure(tf.identity, stages[s].theta))
   return thetas
 
 
@@ -83,17 +81,16 @@ def _pack_args(inputs: Any, thetas: list[Any], args: Sequence[tf.Tensor]
   return xs, out
 
 
-def _forward_prefix(schedule: schedule_lib.Schedule
-                   ) -> tuple[list[Any], list[Any]]:
+def _phases(schedule: Schedule) -> tuple[list[Any], list[Any]]:
   """Emission order split into every F, then every R/B (GPipe-like only)."""
-  for d, ops in enumerate(schedule):
-    kinds = ''.join(op.kind for op in ops)
+  for d, ops in enumerate(schedule.compute()):
+    kinds = ''.join('F' if a.kind == 'F' else 'b' for a in ops)
     if 'F' in kinds.lstrip('F'):
       raise EngineError(
           f'schedule={schedule.name!r} runs a backward on device {d} before '
           'its last forward, so the loss must be inside the pipeline: use '
           'PipeliningLayer.FPropLoss (or schedule=\'gpipe\' with FProp).')
-  order = schedule_lib.emission_order(schedule)
+  order = emission_order(schedule)
   return ([o for o in order if o[1].kind == 'F'],
           [o for o in order if o[1].kind != 'F'])
 
@@ -105,10 +102,13 @@ def _merge_stats(stats: list[dict[str, Any]]) -> None:
       collector.merge(stage_stats)
 
 
+def _outputs(schedule: Schedule, family: str, stage: int) -> list[Any]:
+  return [(family, stage, m) for m in range(schedule.num_micro_batches)]
+
+
 @tf.autograph.experimental.do_not_convert  # Graph code already.
-def run(stages: list[Stage], inputs: tuple[Any, ...],
-        schedule: schedule_lib.Schedule, batch_dim: int = 0,
-        loop: bool = True) -> Any:
+def run(stages: list[Stage], inputs: tuple[Any, ...], schedule: Schedule,
+        batch_dim: int = 0, loop: bool = True) -> Any:
   """Pipelined, differentiable forward of `stages` over `inputs`.
 
   Args:
@@ -118,34 +118,36 @@ def run(stages: list[Stage], inputs: tuple[Any, ...],
       `batch_dim`.
     schedule: A schedule whose devices run all forwards first (GPipe).
     batch_dim: The batch dimension of every leaf.
-    loop: Emit the schedule's steady state as loops (walker.py) where it
-      can; False emits every op.
+    loop: Emit the schedule's steady state as loops where it can; False
+      emits every action.
 
   Returns:
     The last stage's outputs for the whole batch (micro-batches
     concatenated). Statistics added by layers are summed over micro-batches
     and merged into the caller's `fprop_context` collector, if any.
   """
-  forward_ops, backward_ops = _forward_prefix(schedule)
-  num_micro = schedule.num_micro_batches
+  forward, backward = _phases(schedule)
+  num_micro, last = schedule.num_micro_batches, len(stages) - 1
   stages, inputs = _hiding_none(stages), microbatch.hide_none(inputs)
-  walker = walker_lib.Walker(stages, schedule, microbatch.batch_size(
-      inputs, batch_dim, 'pipeline'), batch_dim)
-  walker.seeds = []  # Given once the outer tape asks for gradients.
-  if loop and walker.can_loop():
-    walker.plan(forward_ops + backward_ops)
-  thetas = _read_thetas(stages)
-  args = tf.nest.flatten(inputs) + tf.nest.flatten(thetas)
+  ex = Executor(stages, schedule, microbatch.batch_size(
+      inputs, batch_dim, 'pipeline'), batch_dim, loop=loop)
+  local = ex.local_stages()
+  thetas = _read_thetas(stages, local)
   structure: list[Any] = []
 
   @tf.custom_gradient
   def _pipelined(*flat: tf.Tensor) -> Any:
-    xs, walker.thetas = _pack_args(inputs, thetas, flat)
-    walker.inputs = walker_lib.MicroBatches(xs, num_micro, batch_dim,
-                                            stages[0].device)
-    walker.emit(forward_ops)
-    out = walker.concat('y', walker.last)
-    stats = walker.stage_stats()
+    xs, stage_thetas = _pack_args(inputs, thetas, flat)
+    feed = Feed(input=microbatch.MicroBatches(xs, num_micro, batch_dim,
+                                              stages[0].device))
+    state = ex.new_state(dict(zip(local, stage_thetas)))
+    # What the backward phase reads of the forward's values, kept.
+    kept = (keys_of(schedule, backward, seeded=True, writes=False) &
+            keys_of(schedule, forward))
+    state = ex.run(forward, state, feed,
+                   _outputs(schedule, 'y', last) + sorted(kept), seeded=True)
+    out = ex.concat(state, 'y', last)
+    stats = [state.stages[s].stats for s in local]
     structure.extend([out, stats])
 
     def _grad(*dys: tf.Tensor) -> list[tf.Tensor | None]:
@@ -153,19 +155,20 @@ def run(stages: list[Stage], inputs: tuple[Any, ...],
       with tf.device(stages[-1].device):
         dy = tf.nest.map_structure(
             lambda g, y: tf.zeros_like(y) if g is None else g, dy, out)
-      walker.seeds = walker_lib.MicroBatches(
+      feed.seed = microbatch.MicroBatches(
           [g for g, y in zip(tf.nest.flatten(dy), tf.nest.flatten(out))
-           if stage_ops.differentiable(y)], num_micro, batch_dim,
-          stages[-1].device)
-      walker.emit(backward_ops)
-      dx = walker.concat('dx', 0)
-      return ([g if stage_ops.differentiable(x) else None
+           if differentiable(y)], num_micro, batch_dim, stages[-1].device)
+      done = ex.run(backward, state, feed, _outputs(schedule, 'dx', 0),
+                    seeded=True)
+      dx = ex.concat(done, 'dx', 0)
+      return ([g if differentiable(x) else None
                for g, x in zip(tf.nest.flatten(dx), tf.nest.flatten(inputs))]
-              + [g for a in walker.acc for g in tf.nest.flatten(a)])
+              + [g for s in local
+                 for g in tf.nest.flatten(done.stages[s].acc)])
 
     return tf.nest.flatten(out) + tf.nest.flatten(stats), _grad
 
-  flat = _pipelined(*args)
+  flat = _pipelined(*(tf.nest.flatten(inputs) + tf.nest.flatten(thetas)))
   out, stats = structure
   n_out = len(tf.nest.flatten(out))
   _merge_stats(tf.nest.pack_sequence_as(stats, flat[n_out:]))
@@ -212,10 +215,9 @@ def _metric_names(loss_fn: LossFn, out_spec: Any, labels: Any) -> list[str]:
 
 @tf.autograph.experimental.do_not_convert  # Graph code already.
 def run_with_loss(stages: list[Stage], inputs: tuple[Any, ...], labels: Any,
-                  loss_fn: LossFn, schedule: schedule_lib.Schedule,
-                  batch_dim: int = 0,
+                  loss_fn: LossFn, schedule: Schedule, batch_dim: int = 0,
                   placement: placement_lib.Placement | None = None,
-                  specs: walker_lib.Specs | None = None, loop: bool = True
+                  specs: Specs | None = None, loop: bool = True
                  ) -> dict[str, tuple[tf.Tensor, tf.Tensor]]:
   """The whole step of any schedule: forwards, losses, backwards.
 
@@ -226,7 +228,8 @@ def run_with_loss(stages: list[Stage], inputs: tuple[Any, ...], labels: Any,
       given to `loss_fn` on the last stage (never differentiated).
     loss_fn: (last stage's outputs, labels) of one micro-batch →
       {'loss': (value, weight), other metrics...}, each a weighted mean.
-    schedule: Any schedule.
+    schedule: Any schedule (compute actions only: the transfers between
+      processes are inserted here).
     batch_dim: The batch dimension of every leaf.
     placement: Which devices run here (default: all). With several
       processes, the metrics are reduced over every task, and each stage's
@@ -240,32 +243,42 @@ def run_with_loss(stages: list[Stage], inputs: tuple[Any, ...], labels: Any,
     `loss`'s value is differentiable under an outer tape (the local thetas
     and the float inputs); the other metrics are not.
   """
-  num_micro = schedule.num_micro_batches
+  num_micro, last = schedule.num_micro_batches, len(stages) - 1
+  placement = placement or placement_lib.Placement(
+      placement_lib.collective.Peers.local(), schedule.num_devices)
+  if placement.multi_process:
+    schedule = schedule.with_transfers()
   stages = _hiding_none(stages[:-1] + [_loss_stage(stages[-1], loss_fn)])
   inputs, labels = microbatch.hide_none(inputs), microbatch.hide_none(labels)
   if specs is not None:
     specs = lambda s, given=specs: microbatch.hide_none(given(s))
-  walker = walker_lib.Walker(stages, schedule, microbatch.batch_size(
-      inputs, batch_dim, 'pipeline'), batch_dim, placement, specs)
-  placement = walker.placement
-  local = walker.local_stages()
-  thetas = _read_thetas([stages[s] for s in local])
+  ex = Executor(stages, schedule, microbatch.batch_size(
+      inputs, batch_dim, 'pipeline'), batch_dim, placement, specs, loop)
+  local = ex.local_stages()
+  thetas = _read_thetas(stages, local)
   structure: list[Any] = []
 
   @tf.custom_gradient
   def _step(*flat: tf.Tensor) -> Any:
     xs, local_thetas = _pack_args(inputs, thetas, flat)
-    walker.thetas = [None] * len(stages)
-    for s, theta in zip(local, local_thetas):
-      walker.thetas[s] = theta
-    _emit_local(walker, xs, labels, batch_dim, loop)
-    sums = _reduced_metrics(walker, loss_fn, labels, specs, batch_dim)
+    feed = Feed(
+        input=(microbatch.MicroBatches(xs, num_micro, batch_dim,
+                                       stages[0].device)
+               if ex.is_local(0) else None),
+        label=(microbatch.MicroBatches(labels, num_micro, batch_dim,
+                                       stages[last].device)
+               if ex.is_local(last) else None))
+    state = ex.run(emission_order(schedule),
+                   ex.new_state(dict(zip(local, local_thetas))), feed,
+                   _outputs(schedule, 'y', last) +
+                   _outputs(schedule, 'dx', 0))
+    sums = _reduced_metrics(ex, state, loss_fn, labels, specs, batch_dim)
     metrics = {name: (v[0] / tf.maximum(v[1], 1e-30), v[1])
                for name, v in sums.items()}
     scale = 1.0 / tf.maximum(metrics['loss'][1], 1e-30)
-    grads = _scaled_grads(walker, local, scale)
-    dx_leaves = _input_grads(walker, inputs, scale, batch_dim)
-    stats = [walker.stats[s].stats for s in local]
+    grads = _scaled_grads(ex, state, scale)
+    dx_leaves = _input_grads(ex, state, inputs, scale)
+    stats = [state.stages[s].stats for s in local]
     if placement.num_replicas > 1:  # BatchNorm sums over every replica.
       stats = placement.peers.all_reduce(
           stats, placement.replica_tasks(), ('stats', placement.device))
@@ -288,26 +301,8 @@ def run_with_loss(stages: list[Stage], inputs: tuple[Any, ...], labels: Any,
   return tf.nest.pack_sequence_as(metrics, flat[:n_metrics])
 
 
-def _emit_local(walker: walker_lib.Walker, xs: Any, labels: Any,
-                batch_dim: int, loop: bool) -> None:
-  """Splits the inputs and labels this process needs, then emits its ops
-  (the last stage seeds each backward itself: d(Σ value·weight) = 1)."""
-  num_micro = walker.schedule.num_micro_batches
-  last = walker.last
-  if walker.is_local(0):
-    walker.inputs = walker_lib.MicroBatches(xs, num_micro, batch_dim,
-                                            walker.stages[0].device)
-  if walker.is_local(last):
-    walker.side = walker_lib.MicroBatches(labels, num_micro, batch_dim,
-                                          walker.stages[last].device)
-  order = schedule_lib.emission_order(walker.schedule)
-  if loop and walker.can_loop():
-    walker.plan(order)
-  walker.emit(order)
-
-
-def _reduced_metrics(walker: walker_lib.Walker, loss_fn: LossFn, labels: Any,
-                     specs: walker_lib.Specs | None, batch_dim: int
+def _reduced_metrics(ex: Executor, state: Any, loss_fn: LossFn, labels: Any,
+                     specs: Specs | None, batch_dim: int
                     ) -> dict[str, tf.Tensor]:
   """{name: [Σ value·weight, Σ weight]} over the batch of every replica.
 
@@ -315,46 +310,43 @@ def _reduced_metrics(walker: walker_lib.Walker, loss_fn: LossFn, labels: Any,
   step's barrier: it waits for this process's sends, and no process starts
   its next step before all have finished this one.
   """
-  walker_last = walker.last
-  placement = walker.placement
-  if walker.is_local(walker_last):
-    metrics = walker.stacked('y', walker_last)[1]
-    with tf.device(walker.stages[walker_last].device):
+  last, placement = ex.last, ex.placement
+  if ex.is_local(last):
+    metrics = ex.stacked(state, 'y', last)[1]
+    with tf.device(ex.stages[last].device):
       sums = _metric_sums(metrics)
   else:
-    micro = microbatch.one(labels, walker.schedule.num_micro_batches,
+    micro = microbatch.one(labels, ex.schedule.num_micro_batches,
                            batch_dim, 0)
     sums = {name: tf.zeros([2]) for name in _metric_names(
-        loss_fn, specs(len(walker.stages)), micro)}
+        loss_fn, specs(len(ex.stages)), micro)}
   if not placement.multi_process:
     return sums
-  return placement.peers.barrier(sums, key=('metrics',),
-                                 after=walker.tokens)
+  return placement.peers.barrier(sums, key=('metrics',), after=state.sends)
 
 
-def _scaled_grads(walker: walker_lib.Walker, local: list[int],
-                  scale: tf.Tensor) -> list[tf.Tensor]:
+def _scaled_grads(ex: Executor, state: Any, scale: tf.Tensor
+                 ) -> list[tf.Tensor]:
   """Each local stage's accumulated gradients ÷ Σ weight, summed over the
   stage's replicas (one synchronous update for the whole global batch)."""
-  placement = walker.placement
+  placement = ex.placement
   grads = []
-  for s in local:
-    with tf.device(walker.stages[s].device):
+  for s in ex.local_stages():
+    with tf.device(ex.stages[s].device):
       grads.append([g * tf.cast(scale, g.dtype)
-                    for g in tf.nest.flatten(walker.acc[s])])
+                    for g in tf.nest.flatten(state.stages[s].acc)])
   if placement.num_replicas > 1:
     grads = placement.peers.all_reduce(grads, placement.replica_tasks(),
                                        ('grads', placement.device))
   return [g for stage_grads in grads for g in stage_grads]
 
 
-def _input_grads(walker: walker_lib.Walker, inputs: Any, scale: tf.Tensor,
-                 batch_dim: int) -> list[tf.Tensor | None]:
+def _input_grads(ex: Executor, state: Any, inputs: Any,
+                 scale: tf.Tensor) -> list[tf.Tensor | None]:
   """Gradients of the float inputs (where stage 0 runs here), ÷ Σ weight."""
-  del batch_dim  # The walker's.
-  if not walker.is_local(0):
+  if not ex.is_local(0):
     return [None] * len(tf.nest.flatten(inputs))
-  dx = walker.concat('dx', 0)
-  return [g * tf.cast(scale, g.dtype) if stage_ops.differentiable(x)
+  dx = ex.concat(state, 'dx', 0)
+  return [g * tf.cast(scale, g.dtype) if differentiable(x)
           else None for g, x in zip(tf.nest.flatten(dx),
                                     tf.nest.flatten(inputs))]

@@ -1,118 +1,41 @@
-"""Loops over a schedule's steady state: what the walker's loops carry.
+"""A planned loop (`loops.Loop`) emitted as one `tf.while_loop`.
 
-`loops.plan` says which runs of ops become a `tf.while_loop` and what each
-carries; this module holds the values (`Store` by key, `Array` by index,
-`MicroBatches` of the caller's tensors) and `Looping`, the part of the
-`Walker` that emits a loop. A loop body calls the walker's own `_forward`
-and `_backward`: only where each value comes from changes.
+The body emits the loop's actions through the executor, exactly as
+outside a loop, into a fresh `StepState` whose stages start from the
+carried state. What crosses iterations (`_Carry`):
 
-* A value the body made in an earlier iteration comes from a delay line:
-  the family's latest values, carried as loop variables.
-* A value made before the loop is read by index from a TensorArray.
-* Each device's order crosses iterations as a token, a scalar that exists
-  once the device's last op has finished (`_token`); accumulated gradients
-  and statistics are carried.
+* per local device, a token: a scalar that exists once the device's last
+  action has finished (`dependency.token`), the order from one iteration
+  to the next;
+* per local stage, the accumulated gradients and the statistics' sums;
+* delay lines: a family's latest values, newest first, for a value the
+  body made in an earlier iteration (1F1B's saved inputs: as many as a
+  stage holds, so the memory bound stays);
+* TensorArrays a family's values are written to, by micro-batch index,
+  when read after the loop;
+* a token of this process's sends, and the timeline's stamps when a step
+  is recorded.
+
+A value made before the loop is read by index from an `Array` written
+before it. After the loop its outputs become the outer state: tokens,
+sums, the delay lines' values under their keys, the arrays.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import tensorflow as tf
 
-from lingvo_pipe import errors
-from lingvo_pipe.core.fprop_context import StatsCollector
+from lingvo_pipe.pipeline import actions as actions_lib
+from lingvo_pipe.pipeline import dependency
 from lingvo_pipe.pipeline import loops
-from lingvo_pipe.pipeline import microbatch
-from lingvo_pipe.pipeline import schedule as schedule_lib
-
-
-class WalkerError(errors.LingvoPipeError):
-  """A stage list or placement the walker cannot run; names the fix."""
-
-
-@dataclasses.dataclass
-class Frame:
-  """The loop whose body is being emitted: its iteration counter, and the
-  delay lines it carries (family → latest values, newest first)."""
-  loop: loops.Loop
-  i: tf.Tensor
-  delay: dict[loops.Family, list[Any]]
-
-
-def _gather(stacked: tf.Tensor, index: tf.Tensor) -> tf.Tensor:
-  with tf.device(stacked.device):
-    return tf.gather(stacked, index)
-
-
-def _index(m: int) -> tf.Tensor:
-  """Micro-batch index m as a tensor that Grappler will not constant-fold.
-
-  A constant argument makes Grappler specialise the called stage function
-  per value — M optimised copies of every stage body, which made the first
-  call of a K=1, M=8 Transformer step take ~20 s instead of ~1 s.
-  """
-  return opaque(tf.constant(m, tf.int32))
-
-
-def opaque(x: tf.Tensor) -> tf.Tensor:
-  """`x`, hidden from Grappler's constant folding.
-
-  Grappler's function optimizer specialises a call that has a constant
-  input: one optimised copy of the stage body per call site. The loss
-  seeds (ones and zeros), the first accumulator (zeros) and the first
-  op's `after` (a zero) fold to constants, so every backward of the last
-  stage got its own copy: the first call of a K=2 step (12 × Transformer
-  layer, model dim 128) took 22 s instead of 8 s at M=32, 6.9 s instead of
-  4.2 s at M=8, and its steps ran 7% slower.
-  """
-  return tf.compat.v1.placeholder_with_default(x, x.shape)
-
-
-def leaves(nest: Any) -> list[tf.Tensor]:
-  return [t for t in tf.nest.flatten(nest) if t is not None]
-
-
-def _pack(structure: Any, tensors: Sequence[Any]) -> Any:
-  """Inverse of `leaves`: `structure` with its non-None leaves replaced."""
-  it = iter(tensors)
-  return tf.nest.pack_sequence_as(
-      structure, [None if t is None else next(it)
-                  for t in tf.nest.flatten(structure)])
-
-
-# The fewest iterations worth a loop: shorter runs are emitted op by op.
-MIN_LOOP_ITERATIONS = 2
-# Micro-batches of each stage per loop iteration (whole periods of the
-# schedule's steady state: one period of the interleaved schedule holds K
-# of them; at least one period per iteration). Each iteration
-# costs a fixed ~0.3 ms on one core (the loop's bookkeeping for every
-# carried value: accumulated gradients, delay lines, arrays): at K=2,
-# M=64, 16 × FC 512 with 16-example micro-batches, one period per
-# iteration made steps 6–8% slower than emitting every op; the
-# micro-batches of one iteration share it.
-LOOP_UNROLL = 4
-
-
-class Store(dict):
-  """Values of one family by (stage, micro-batch); a key it lacks is asked
-  of `resolve(family, key)` (a TensorArray, a loop's delay line)."""
-
-  def __init__(self, family: str,
-               resolve: Callable[[str, tuple[int, int]], Any]) -> None:
-    super().__init__()
-    self.family = family
-    self.resolve = resolve
-
-  def __missing__(self, key: tuple[int, int]) -> Any:
-    value = self[key] = self.resolve(self.family, key)
-    return value
+from lingvo_pipe.pipeline.stage import StageState, leaves, pack
 
 
 class Array:
-  """A family's values by micro-batch in TensorArrays (one per leaf), for
-  reads by index (a loop over values made before it) or after a loop."""
+  """A family's values by micro-batch in TensorArrays (one per leaf)."""
 
   def __init__(self, example: Any, size: int, device: str) -> None:
     self.structure = example
@@ -129,298 +52,223 @@ class Array:
 
   def read(self, m: Any) -> Any:
     with tf.device(self.device):
-      return _pack(self.structure, [a.read(m) for a in self.arrays])
+      return pack(self.structure, [a.read(m) for a in self.arrays])
 
   def stack(self) -> Any:
     """Every value, stacked on a new first axis (all must be written)."""
     with tf.device(self.device):
-      return _pack(self.structure, [a.stack() for a in self.arrays])
+      return pack(self.structure, [a.stack() for a in self.arrays])
+
+  def fill(self, stage: StageState, num: int) -> None:
+    """Writes the values of the family that `stage` holds and this array
+    lacks (made one by one, before or after a loop)."""
+    for m in range(num):
+      if m not in self.keys and (self.family, m) in stage.values:
+        self.write(m, stage.values[(self.family, m)])
+        self.keys.add(m)
+
+  def with_arrays(self, arrays: list[Any]) -> 'Array':
+    """This array over other TensorArray flows (a loop's carried ones)."""
+    out = Array.__new__(Array)
+    out.__dict__.update(self.__dict__, arrays=list(arrays))
+    return out
+
+  family = ''
 
 
-class MicroBatches:
-  """The micro-batches of a nest, sliced when asked: op-by-op emission
-  slices the ones it reads, and a loop indexes the whole nest stacked (so
-  neither costs a slice per micro-batch it does not read)."""
+@dataclasses.dataclass
+class Frame:
+  """The loop whose body is being emitted, and its iteration counter."""
+  loop: loops.Loop
+  i: tf.Tensor
 
-  def __init__(self, whole: Any, num_micro_batches: int, batch_dim: int,
-               device: str) -> None:
-    self.whole = whole
-    self.num = num_micro_batches
-    self.batch_dim = batch_dim
-    self.device = device
-    self._parts: dict[int, Any] = {}
-
-  def __len__(self) -> int:
-    return self.num
-
-  def __getitem__(self, m: int) -> Any:
-    if m not in self._parts:
-      with tf.device(self.device):
-        self._parts[m] = microbatch.one(self.whole, self.num,
-                                        self.batch_dim, m)
-    return self._parts[m]
-
-  def stacked(self) -> Any:
-    with tf.device(self.device):
-      return microbatch.stack(self.whole, self.num, self.batch_dim)
+  def index(self, m: int) -> tf.Tensor:
+    return tf.constant(m) + self.loop.step * self.i
 
 
-class Looping:
-  """The walker's loops (mixed into `walker.Walker`, whose attributes they
-  use: schedule, stages, placement, timeline, the stores, acc, stats,
-  done, and segments, _arrays, _stacked, _zeros, _loop)."""
+def _array(state: Any, family: loops.Family, example: Any, num: int,
+           device: str) -> Array:
+  """The array of `family` in `state`, made on first use."""
+  if family not in state.arrays:
+    array = Array(example, num, device)
+    array.family = family[0]
+    state.arrays[family] = array
+  return state.arrays[family]
 
-  def can_loop(self) -> bool:
-    """Whether this walker may emit loops: in one traced process with no
-    timeline (stage processes and timestamps emit every op)."""
-    return (not tf.executing_eagerly() and self.timeline is None and
-            not self.placement.multi_process)
 
-  def plan(self, order: Sequence[tuple[int, schedule_lib.Op]]) -> None:
-    """Emits `order` (the step's ops, which the following `emit` calls give
-    in turn) with its periodic runs as loops (`loops.plan`)."""
-    final = [(name, s, m) for name, s in (('y', self.last), ('dx', 0))
-             for m in range(self.schedule.num_micro_batches)]
-    self.segments = loops.plan(self.schedule, order, self._io, final,
-                               MIN_LOOP_ITERATIONS, LOOP_UNROLL)
+def emit_loop(ex: Any, loop: loops.Loop, state: Any, feed: Any,
+              seeded: bool) -> Any:
+  """Emits `loop` into `state` (the executor's StepState) as one
+  `tf.while_loop`; afterwards every value and sum is where emitting the
+  actions one by one would have left it."""
+  num = ex.schedule.num_micro_batches
+  for family in sorted(f for f in loop.indexed if f[1] in state.stages):
+    st = state.stages[family[1]]
+    ms = sorted(m for (f, m) in st.values if f == family[0])
+    if ms:
+      _array(state, family, st.values[(family[0], ms[0])], num,
+             st.device).fill(st, num)
+  feed.stack({key[0] for _, a in loop.ops if a.stage in state.stages
+              for key in ex.schedule.io(a, seeded)[0].values()
+              if key[0] in actions_lib.EXTERNAL_FAMILIES})
+  carry = _Carry(ex, loop, state)
+  initial = carry.initial()
 
-  def _io(self, d: int, op: schedule_lib.Op
-         ) -> tuple[list[loops.Key], list[loops.Key]]:
-    """The keys op reads and writes (`loops.py`)."""
-    s, m = self.schedule.stage(d, op), op.micro_batch
-    rebuilt = self.schedule.rebuilds(s, m)
-    # Stage 0's recompute reads its input again by index (_backward): kept
-    # for it, a loop's gathered copy would double GPipe's input memory.
-    saved = [('x', s, m)] if s > 0 or not rebuilt else []
-    if op.kind == 'F':
-      reads = [('y', s - 1, m)] if s > 0 else []
-      return reads, saved + [('y', s, m)] + (
-          [] if rebuilt else [('tape', s, m)])
-    if op.kind == 'B' and rebuilt:
-      return [], []  # Emitted with its R.
-    reads = list(saved)
-    if s < self.last:
-      reads.append(('dx', s + 1, m))
-    elif self.seeds is None:
-      reads.append(('y', s, m))
-    if not rebuilt:
-      reads += [('tape', s, m), ('y', s, m)]
-    return reads, [('dx', s, m)]
+  def _body(i: tf.Tensor, *flat: Any) -> list[Any]:
+    carried = pack(initial, flat)
+    inner = carry.inner(carried, Frame(loop, i))
+    ex.emit(loop.ops, inner, feed, seeded)
+    return [i + 1] + leaves(carry.outputs(inner, carried, i))
 
-  # Loops.
+  with tf.name_scope(f'loop{len(state.arrays)}'):
+    result = tf.while_loop(
+        lambda i, *_: i < loop.count, _body,
+        [tf.constant(0)] + leaves(initial),
+        parallel_iterations=max(10, 2 * len(ex.stages)))
+  carry.install(pack(initial, result[1:]))
+  return state
 
-  def _resolve(self, family: str, key: tuple[int, int]) -> Any:
-    """A value no op of this graph made: from a TensorArray, or (in a loop
-    body) a delay line or a TensorArray by index."""
-    s, m = key
-    frame = self._loop
-    if frame is not None:
-      if (family, s) in frame.loop.made:
-        return frame.delay[(family, s)][-frame.loop.value((family, s), m) - 1]
-      return self._arrays[(family, s)].read(self._mi(m))
-    array = self._arrays.get((family, s))
-    if array is None or m not in array.keys:
-      raise KeyError((family, s, m))
-    return array.read(m)
 
-  def _store(self, family: str) -> Store:
-    return getattr(self, family)
+class _Carry:
+  """What one loop carries across iterations, in this process."""
 
-  def _indexed(self, family: loops.Family) -> None:
-    """Writes every value of `family` made so far op by op to its array."""
-    name, s = family
-    store = self._store(name)
-    ms = sorted(m for (t, m) in store if t == s)
-    if not ms:
-      return
-    if family not in self._arrays:
-      self._arrays[family] = Array(store[(s, ms[0])],
-                                    self.schedule.num_micro_batches,
-                                    self.stages[s].device)
-    array = self._arrays[family]
-    for m in ms:
-      if m not in array.keys:
-        array.write(m, store[(s, m)])
-        array.keys.add(m)
+  def __init__(self, ex: Any, loop: loops.Loop, state: Any) -> None:
+    self.ex, self.loop, self.state = ex, loop, state
+    mine = [(d, a) for d, a in loop.ops if a.stage in state.stages]
+    self.devices = sorted({d for d, _ in mine})
+    self.forwards = sorted({a.stage for _, a in mine if a.kind == 'F'})
+    self.backwards = sorted({a.stage for _, a in mine
+                             if a.kind in ('B', 'I', 'W')})
+    self.delays = {f: n for f, n in sorted(loop.delays.items())
+                   if f[1] in state.stages}
+    self.arrays = sorted(f for f in loop.arrays if f[1] in state.stages)
+    self.sends = any(a.kind.startswith('SEND_') for _, a in mine)
+    self.records = ex.recording and any(a.kind in ('F', 'B') for _, a in mine)
+    self.slots: list[tuple[int, str]] = []  # A body's records: (stage, kind).
 
-  def _micro(self, name: str, m: int, d: int) -> Any:
-    """Micro-batch m of `inputs`, `side` or `seeds` (m + i in a loop),
-    read by device d's next op.
+  def _token(self, d: int, after: list[tf.Tensor]) -> tf.Tensor:
+    return dependency.token(self.ex.device(d), after or [self.ex.zero(d)],
+                            self.ex.zero(d))
 
-    In a loop the read is a copy (a gather), made once device d's previous
-    op has finished: gathers that depend on the loop counter alone ran
-    up to `parallel_iterations` iterations ahead, and held that many
-    micro-batches of inputs (1F1B, K=2, M=32: 40 MiB instead of 11).
-    """
-    values = getattr(self, name)
-    if self._loop is None:
-      return values[m]
-    if name not in self._stacked:
-      raise WalkerError(f'{name} was not stacked before the loop.')
-    with tf.control_dependencies(self._after(d)):
-      index = tf.identity(self._mi(m))
-    return tf.nest.map_structure(
-        lambda t: None if t is None else _gather(t, index),
-        self._stacked[name])
-
-  def _stack(self) -> None:
-    """The per-micro-batch lists a loop picks from, stacked (once)."""
-    for name in ('inputs', 'side', 'seeds'):
-      values = getattr(self, name)
-      if isinstance(values, MicroBatches) and name not in self._stacked:
-        self._stacked[name] = values.stacked()
-
-  def _device(self, d: int) -> str:
-    return self.stages[self.schedule.stage(d, schedule_lib.Op('F', 0))].device
-
-  def _token(self, d: int) -> tf.Tensor:
-    """A scalar that exists once device d's last op has finished: what
-    carries a device's order from one iteration to the next."""
-    with tf.device(self._device(d)), tf.control_dependencies(self._after(d)):
-      return tf.identity(self._zero(d))
-
-  def _zero(self, d: int) -> tf.Tensor:
-    if d not in self._zeros:
-      with tf.device(self._device(d)):
-        self._zeros[d] = opaque(tf.zeros([]))
-    return self._zeros[d]
-
-  def _emit_loop(self, loop: loops.Loop) -> None:
-    """`loop` as one `tf.while_loop`; afterwards every value and state is
-    where op-by-op emission would have left it."""
-    for family in sorted(loop.indexed):
-      self._indexed(family)
-    self._stack()
-    devices = sorted({d for d, _ in loop.ops})
-    kinds = [(self.schedule.stage(d, op), op) for d, op in loop.ops]
-    forwards = sorted({s for s, op in kinds if op.kind == 'F'})
-    backwards = sorted({s for s, op in kinds if op.kind != 'F'
-                        and not (op.kind == 'B' and self.schedule.rebuilds(
-                            s, op.micro_batch))})
-    delay = {}
-    for family, length in sorted(loop.delays.items()):
-      name, s = family
-      # Slot k: the family's (k+1)-th latest value before the loop. Slots
-      # no iteration reads before the loop refills them may hold anything
-      # of the right shape: the latest value.
-      before = [loop.made[family] - loop.direction * (1 + k)
-                for k in range(length)]
-      store = self._store(name)
-      delay[family] = [store[(s, m)] if (s, m) in store
-                       or self._in_array(family, m) else store[(s, before[0])]
-                       for m in before]
-    for family in sorted(loop.arrays):
-      if family not in self._arrays:
-        name, s = family
-        example = self._store(name)[
-            (s, loop.made[family] - loop.direction)]
-        self._arrays[family] = Array(example, self.schedule.num_micro_batches,
-                                      self.stages[s].device)
-    state = {
-        'token': [self._token(d) for d in devices],
-        'acc': [self.acc[s] for s in backwards],
-        'stats': [self.stats[s].stats for s in forwards],
-        'delay': delay,
-        'arrays': [self._arrays[f].arrays for f in sorted(loop.arrays)],
+  def initial(self) -> dict[str, Any]:
+    state, ex = self.state, self.ex
+    num = ex.schedule.num_micro_batches
+    for family in self.arrays:
+      st = state.stages[family[1]]
+      example = st.get(family[0], self.loop.made[family] - self.loop.direction)
+      _array(state, family, example, num, st.device)
+    return {
+        'token': [self._token(d, state.after[d]) for d in self.devices],
+        'acc': [state.stages[s].acc for s in self.backwards],
+        'stats': [state.stages[s].stats for s in self.forwards],
+        'delay': {f: self._delay_line(f, n) for f, n in self.delays.items()},
+        'arrays': [state.arrays[f].arrays for f in self.arrays],
+        'sent': ([self._token(self.devices[0], list(state.sends))]
+                 if self.sends else []),
+        'records': ([tf.TensorArray(tf.float64, size=self.loop.count)]
+                    if self.records else []),
     }
-    structure = state
-    flat = tf.nest.flatten(state)
-    tensors = [t for t in flat if t is not None]
 
-    def _install(st: dict[str, Any]) -> None:
-      """Makes carried state `st` the walker's (in the body, and after)."""
-      for d, token in zip(devices, st['token']):
-        self.done[d] = [[token]]
-      for s, acc in zip(backwards, st['acc']):
-        self.acc[s] = acc
-      for s, stats in zip(forwards, st['stats']):
-        self.stats[s] = StatsCollector(stats)
-      for family, arrays in zip(sorted(loop.arrays), st['arrays']):
-        self._arrays[family].arrays = arrays
+  def _delay_line(self, family: loops.Family, length: int) -> list[Any]:
+    """Slot k: the family's (k+1)-th latest value before the loop. Slots no
+    iteration reads before the loop refills them may hold anything of the
+    right shape: the latest value."""
+    name, s = family
+    st = self.state.stages[s]
+    before = [self.loop.made[family] - self.loop.direction * (1 + k)
+              for k in range(length)]
+    array = self.state.arrays.get(family)
+    have = lambda m: (name, m) in st.values or (  # noqa: E731
+        array is not None and m in array.keys)
+    return [st.get(name, m if have(m) else before[0]) for m in before]
 
-    def _body(i: tf.Tensor, *carried: Any) -> list[Any]:
-      st = _pack(structure, carried)
-      outer = (self.x, self.y, self.dx, self.tapes, list(self.acc),
-               list(self.stats), list(self.done))
-      self._loop = Frame(loop, i, st['delay'])
-      self.x, self.y, self.dx = (Store(n, self._resolve)
-                                 for n in ('x', 'y', 'dx'))
-      self.tapes = {}
-      _install(st)
-      self._emit_ops(loop.ops)
-      new_delay = {}
-      for family, slots in st['delay'].items():
-        name, s = family
-        newest = [self._store(name)[(s, m)]
-                  for m in reversed(loop.made_in_body(family))]
-        new_delay[family] = (newest + slots)[:len(slots)]
-      new_arrays = []
-      for family in sorted(loop.arrays):
-        name, s = family
-        for m in loop.made_in_body(family):
-          self._arrays[family].write(self._mi(m), self._store(name)[(s, m)])
-        new_arrays.append(self._arrays[family].arrays)
-      out = {
-          'token': [self._token(d) for d in devices],
-          'acc': [self.acc[s] for s in backwards],
-          'stats': [self.stats[s].stats for s in forwards],
-          'delay': new_delay,
-          'arrays': new_arrays,
-      }
-      (self.x, self.y, self.dx, self.tapes, self.acc, self.stats,
-       self.done) = outer
-      self._loop = None
-      return [i + 1] + leaves(out)
+  def inner(self, carried: dict[str, Any], frame: Frame) -> Any:
+    """The StepState a body starts from."""
+    state, loop = self.state, self.loop
+    acc = dict(zip(self.backwards, carried['acc']))
+    stats = dict(zip(self.forwards, carried['stats']))
+    stages = {}
+    for s, st in state.stages.items():
+      stages[s] = st.fork(self._resolver(s, carried['delay'], frame),
+                          acc.get(s, st.acc), stats.get(s, st.stats))
+    return type(state)(
+        stages=stages,
+        after={d: ([carried['token'][self.devices.index(d)]]
+                   if d in self.devices else list(state.after[d]))
+               for d in state.after},
+        arrays=dict(state.arrays), loop=frame)
 
-    with tf.name_scope(f'loop{len(self._arrays)}'):
-      result = tf.while_loop(
-          lambda i, *_: i < loop.count, _body,
-          [tf.constant(0)] + tensors,
-          parallel_iterations=max(10, 2 * len(self.stages)))
-    st = _pack(structure, result[1:])
-    _install(st)
-    for family in sorted(loop.arrays):
-      self._arrays[family].keys.update(
-          loop.micro_batch(m, i) for i in loop.iterations()
-          for m in loop.made_in_body(family))
-    for family, slots in st['delay'].items():
+  def _resolver(self, s: int, delay: dict[loops.Family, list[Any]],
+                frame: Frame) -> Any:
+    loop, arrays = self.loop, self.state.arrays
+
+    def _resolve(name: str, m: int) -> Any:
+      family = (name, s)
+      if family in loop.made:
+        return delay[family][-loop.value(family, m) - 1]
+      if family not in arrays:
+        raise KeyError((name, s, m))
+      return arrays[family].read(frame.index(m))
+    return _resolve
+
+  def outputs(self, inner: Any, carried: dict[str, Any],
+              i: tf.Tensor) -> dict[str, Any]:
+    """The carried state an iteration leaves for the next."""
+    loop = self.loop
+    delay = {}
+    for family, slots in carried['delay'].items():
       name, s = family
-      made = loop.count * loop.unroll  # Values the loop made.
+      newest = [inner.stages[s].get(name, m)
+                for m in reversed(loop.made_in_body(family))]
+      delay[family] = (newest + slots)[:len(slots)]
+    arrays = []
+    for family, flows in zip(self.arrays, carried['arrays']):
+      array = self.state.arrays[family].with_arrays(flows)
+      for m in loop.made_in_body(family):
+        array.write(inner.loop.index(m), inner.stages[family[1]].get(
+            family[0], m))
+      arrays.append(array.arrays)
+    return {
+        'token': [self._token(d, inner.after[d]) for d in self.devices],
+        'acc': [inner.stages[s].acc for s in self.backwards],
+        'stats': [inner.stages[s].stats for s in self.forwards],
+        'delay': delay,
+        'arrays': arrays,
+        'sent': ([self._token(self.devices[0],
+                              carried['sent'] + list(inner.sends))]
+                 if self.sends else []),
+        'records': ([carried['records'][0].write(i, self._stamps(inner))]
+                    if self.records else []),
+    }
+
+  def _stamps(self, inner: Any) -> tf.Tensor:
+    """[slots, 3] (micro-batch, start, end) of one iteration's records."""
+    self.slots = [(s, kind) for s, _, kind, _, _ in inner.records]
+    return tf.stack([tf.stack([tf.cast(m, tf.float64), start, end])
+                     for _, m, _, start, end in inner.records])
+
+  def install(self, final: dict[str, Any]) -> None:
+    """Makes the loop's results the outer state's."""
+    state, loop = self.state, self.loop
+    for d, token in zip(self.devices, final['token']):
+      state.after[d] = [token]
+    for s, acc in zip(self.backwards, final['acc']):
+      state.stages[s].acc = acc
+    for s, stats in zip(self.forwards, final['stats']):
+      state.stages[s].stats = stats
+    for family, flows in zip(self.arrays, final['arrays']):
+      state.arrays[family] = state.arrays[family].with_arrays(flows)
+      state.arrays[family].keys = set(state.arrays[family].keys) | {
+          loop.micro_batch(m, i) for i in loop.iterations()
+          for m in loop.made_in_body(family)}
+    made = loop.count * loop.unroll  # Values of each family the loop made.
+    for family, slots in final['delay'].items():
+      name, s = family
       for k, value in enumerate(slots[:made]):
         key = loop.made[family] + loop.direction * (made - 1 - k)
-        self._store(name)[(s, key)] = value
-
-  def _in_array(self, family: loops.Family, m: int) -> bool:
-    array = self._arrays.get(family)
-    return array is not None and m in array.keys
-
-  def _mi(self, m: int) -> tf.Tensor:
-    """Micro-batch m's index as a tensor (m + i in iteration i of a loop)."""
-    if self._loop is None:
-      return _index(m)
-    return tf.constant(m) + self._loop.loop.step * self._loop.i
-
-  def stacked(self, family: str, s: int) -> Any:
-    """Every micro-batch's value of (family, s), stacked on a new axis 0."""
-    array = self._arrays.get((family, s))
-    if array is not None:
-      self._indexed((family, s))
-      if len(array.keys) == self.schedule.num_micro_batches:
-        return array.stack()
-    store = self._store(family)
-    values = [store[(s, m)] for m in range(self.schedule.num_micro_batches)]
-    with tf.device(self.stages[s].device):
-      return tf.nest.map_structure(
-          lambda *ts: None if ts[0] is None else tf.stack(ts), *values)
-
-  def concat(self, family: str, s: int) -> Any:
-    """Every micro-batch's value of (family, s), joined along the batch."""
-    with tf.device(self.stages[s].device):
-      if (family, s) in self._arrays:  # Made in a loop.
-        microbatch.check_batched(self._arrays[(family, s)].structure,
-                                 self.batch_dim)
-        return microbatch.unstack(self.stacked(family, s), self.batch_dim)
-      store = self._store(family)
-      return microbatch.concat(
-          [store[(s, m)] for m in range(self.schedule.num_micro_batches)],
-          self.batch_dim)
+        state.stages[s].values[(name, key)] = value
+    state.sends += final['sent']
+    if final['records']:
+      from lingvo_pipe.pipeline import timeline  # pylint: disable=C0415
+      state.records.append(timeline.RecordBatch(
+          list(self.slots), final['records'][0].stack(), loop.count))

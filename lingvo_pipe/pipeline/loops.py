@@ -6,15 +6,17 @@ the steady state runs F(k, m − k) on each device k, and the next tick the
 same ops of micro-batch m + 1; in 1F1B two ticks run one F and one B per
 device; GPipe's backward shifts by −1 and the interleaved schedule by K.
 Emitted one op per (stage, micro-batch), tracing and graph size grow with
-M. `plan` finds the periodic runs, so that the walker emits each as one
+M. `plan` finds the periodic runs, so that the executor emits each as one
 `tf.while_loop` whose body is a few periods: iteration i runs the body's
 ops with micro-batch indices shifted by i × the body's shift.
 
-Everything here is plain Python about keys; the walker owns the tensors.
-An op reads and writes *keys* (family, stage, micro-batch): `x` (a stage's
-input), `y` (its output), `dx` (its input's gradient), and `tape` (a kept
-forward's tape, which cannot leave the iteration that made it). What a
-loop body reads that it did not make in the same iteration comes
+Everything here is plain Python about keys; the executor owns the tensors.
+What an action reads and writes is its declaration (`Schedule.io`: keys
+(family, stage, micro-batch)); a `tape` (a kept forward's) cannot leave
+the iteration that made it. The caller's values (inputs, labels, seeds)
+are read by index everywhere, and a transfer's wire carries no value, so
+neither is planned here. What a loop body reads that it did not make in
+the same iteration comes
 
 * from a *delay line*, if the loop makes that family: a key made δ
   iterations earlier is slot δ − 1 of a buffer of the latest values,
@@ -38,16 +40,24 @@ import dataclasses
 import itertools
 from typing import Callable, Iterable, Sequence
 
-from lingvo_pipe.pipeline import schedule as schedule_lib
+from lingvo_pipe.pipeline import actions as actions_lib
+from lingvo_pipe.pipeline.actions import LOCAL_FAMILIES, Action, Schedule
 
-Op = schedule_lib.Op
-Key = tuple[str, int, int]  # (family, stage, micro-batch)
+Key = actions_lib.Key  # (family, stage, micro-batch)
 Family = tuple[str, int]  # (family, stage)
-IO = Callable[[int, Op], tuple[list[Key], list[Key]]]  # (reads, writes)
+IO = Callable[[int, Action], tuple[list[Key], list[Key]]]  # (reads, writes)
+_UNPLANNED = actions_lib.EXTERNAL_FAMILIES + actions_lib.WIRE_FAMILIES
 
-# Families that cannot cross an iteration: a GradientTape lives in the
-# graph that recorded it.
-LOCAL_FAMILIES = ('tape',)
+
+def io_of(schedule: Schedule, seeded: bool = False) -> IO:
+  """(reads, writes) of each action as the planner sees them: the
+  schedule's declarations less the caller's values and the wires."""
+  def _io(d: int, a: Action) -> tuple[list[Key], list[Key]]:
+    del d
+    reads, writes = schedule.io(a, seeded)
+    return ([k for k in reads.values() if k[0] not in _UNPLANNED],
+            [k for k in writes.values() if k[0] not in _UNPLANNED])
+  return _io
 
 
 @dataclasses.dataclass
@@ -71,7 +81,7 @@ class Loop:
     arrays: families the loop writes to a TensorArray (read after it).
     indexed: families the loop reads by index, all made before it.
   """
-  ops: list[tuple[int, Op]]
+  ops: list[tuple[int, Action]]
   count: int
   direction: int = 1
   unroll: int = 1
@@ -102,21 +112,21 @@ class Loop:
             for j in range(self.unroll)]
 
 
-Segment = list[tuple[int, Op]] | Loop
+Segment = list[tuple[int, Action]] | Loop
 
 
-def _signature(schedule: schedule_lib.Schedule,
-               block: Sequence[tuple[int, Op]], shift: int
-              ) -> tuple[tuple[int, str, int, int, bool], ...]:
-  """What a tick runs, its micro-batches shifted; with whether each op's
-  micro-batch is rebuilt (a kept one reads and writes other keys)."""
-  return tuple((d, op.kind, op.chunk, op.micro_batch + shift,
-                schedule.rebuilds(schedule.stage(d, op), op.micro_batch))
-               for d, op in block)
+def _signature(schedule: Schedule, block: Sequence[tuple[int, Action]],
+               shift: int) -> tuple[tuple[int, str, int, int, bool], ...]:
+  """What a tick runs, its micro-batches shifted; with whether each
+  action's micro-batch is rebuilt (a kept one reads and writes other
+  keys)."""
+  return tuple((d, a.kind, a.stage, a.micro_batch + shift,
+                schedule.rebuilds(a.stage, a.micro_batch))
+               for d, a in block)
 
 
-def _periodic_runs(schedule: schedule_lib.Schedule,
-                   blocks: list[list[tuple[int, Op]]], t: int,
+def _periodic_runs(schedule: Schedule,
+                   blocks: list[list[tuple[int, Action]]], t: int,
                    max_period: int) -> tuple[int, int, int]:
   """(period, repetitions, shift) of the longest periodic run from tick t:
   each period runs the previous one's ops with micro-batches + shift (±1;
@@ -138,13 +148,11 @@ def _periodic_runs(schedule: schedule_lib.Schedule,
   return best
 
 
-def _ticks(schedule: schedule_lib.Schedule,
-           order: Sequence[tuple[int, Op]]) -> list[list[tuple[int, Op]]]:
+def _ticks(schedule: Schedule, order: Sequence[tuple[int, Action]]
+          ) -> list[list[tuple[int, Action]]]:
   """`order` cut into its ticks (emission order is sorted by tick)."""
-  ticks = schedule_lib.clock_cycles(schedule)
-  tick_of = {(d, op): ticks[d][i]
-             for d, ops in enumerate(schedule) for i, op in enumerate(ops)}
-  blocks: list[list[tuple[int, Op]]] = []
+  tick_of = {(d, a): t for t, d, a in actions_lib.ticked_order(schedule)}
+  blocks: list[list[tuple[int, Action]]] = []
   last = None
   for item in order:
     if tick_of[item] != last:
@@ -185,12 +193,12 @@ def _valid(loop: Loop, io: IO) -> bool:
   return True
 
 
-def _find(schedule: schedule_lib.Schedule, order: Sequence[tuple[int, Op]],
+def _find(schedule: Schedule, order: Sequence[tuple[int, Action]],
           io: IO, min_count: int, unroll: int) -> list[Segment]:
   blocks = _ticks(schedule, order)
   max_period = 4 * schedule.num_chunks * max(1, len(schedule)) + 4
   segments: list[Segment] = []
-  plain: list[tuple[int, Op]] = []
+  plain: list[tuple[int, Action]] = []
   t = 0
   while t < len(blocks):
     period, reps, shift = _periodic_runs(schedule, blocks, t, max_period)
@@ -254,28 +262,32 @@ def _reads(segments: Sequence[Segment], io: IO, final: Iterable[Key]
     yield len(segments), key, None
 
 
-def plan(schedule: schedule_lib.Schedule, order: Sequence[tuple[int, Op]],
-         io: IO, final_reads: Iterable[Key], min_count: int, unroll: int = 1,
-         max_delay: int | None = None) -> list[Segment]:
-  """`order` as plain runs of ops and loops, with what each loop carries.
+def plan(schedule: Schedule, order: Sequence[tuple[int, Action]],
+         final_reads: Iterable[Key], min_count: int, unroll: int = 1,
+         max_delay: int | None = None, seeded: bool = False
+        ) -> list[Segment]:
+  """`order` as plain runs of actions and loops, with what each carries.
 
   Args:
     schedule: the schedule `order` comes from.
-    order: (device, op) in emission order (all of the step's ops).
-    io: (device, op) → (keys it reads, keys it writes).
-    final_reads: keys read after the last op (the step's outputs).
+    order: (device, action) in emission order (a phase of the step).
+    final_reads: keys read after the last action (the step's outputs, and
+      what a later phase reads).
     min_count: the fewest iterations worth a loop.
     unroll: the most micro-batches of each stage in one iteration (at
       least one period of the run).
     max_delay: the longest delay line a read after a loop may use before
       the loop writes a TensorArray instead (default: 2 × stages + 2).
+    seeded: the last stage's backward reads given output gradients.
   """
+  io = io_of(schedule, seeded)
   if max_delay is None:
     max_delay = 2 * schedule.num_stages + 2
   segments = _find(schedule, order, io, min_count, unroll)
   made = _producers(segments, io)
   ages: dict[tuple[int, Family], list[int]] = {}  # Reads after a loop.
-  for i, key, reader in _reads(segments, io, final_reads):
+  final = [k for k in final_reads if k[0] not in _UNPLANNED]
+  for i, key, reader in _reads(segments, io, final):
     family = key[:2]
     before = [key]
     if reader is not None:

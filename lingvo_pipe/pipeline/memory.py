@@ -25,10 +25,11 @@ The model, per stage k (P = bytes of its parameters):
                  and the whole batch's output plus its loss gradient on the
                  last stage
   transfers      with stage processes, on each side of a stage where a
-                 boundary crosses to another process, TRANSFER_BUFFERS of
-                 its buffers per micro-batch: the recvs posted ahead of
-                 their reader (walker.RECV_LOOKAHEAD) and a send its
-                 receiver has not taken yet
+                 boundary crosses to another process, the buffers the
+                 action lists hold at once (`Schedule.transfer_buffers`):
+                 recvs posted ahead of their reader (the transfer pass
+                 posts them `actions.RECV_LOOKAHEAD` actions ahead) and a
+                 send its receiver has not taken yet
 
 What it leaves out, so treat the budget as an upper bound minus a margin:
 tensors a layer keeps for its backward besides its outputs (FPropMeta
@@ -67,6 +68,7 @@ from typing import Any, Sequence
 
 from lingvo_pipe import errors
 from lingvo_pipe.pipeline import partitioner
+from lingvo_pipe.pipeline import schedule as schedule_lib
 from lingvo_pipe.pipeline import simulator
 from lingvo_pipe.pipeline.partitioner import format_quantity
 
@@ -77,9 +79,6 @@ __all__ = ['COMPONENTS', 'MemoryBudgetError', 'MemoryPrediction',
 
 # Slot variables per parameter, as lingvo_pipe.core.optimizer creates them.
 OPTIMIZER_SLOTS = {'sgd': 1, 'adam': 2, 'rmsprop': 2}
-# Boundary buffers per micro-batch in flight on each side of a stage process:
-# walker.RECV_LOOKAHEAD recvs posted ahead, and one send (tests check it).
-TRANSFER_BUFFERS = 4
 COMPONENTS = ('parameters', 'gradients', 'optimizer_slots', 'activations',
               'workspace', 'io', 'transfers')
 
@@ -148,7 +147,7 @@ class MemoryPrediction:
 
 def predict(metas: Sequence[Any], boundaries: Sequence[int],
             num_micro_batches: int, *, input_bytes: float,
-            schedule: str = 'gpipe', recompute: str = 'always',
+            schedule: Any = 'gpipe', recompute: str = 'always',
             optimizer: str | None = 'sgd',
             whole_batch_io: bool = True,
             num_chunks: int = 1,
@@ -161,14 +160,14 @@ def predict(metas: Sequence[Any], boundaries: Sequence[int],
     boundaries: [0, b1, ..., L], stage k = layers [b[k], b[k+1]).
     num_micro_batches: M.
     input_bytes: bytes of the first layer's inputs for the whole mini-batch.
-    schedule: a schedule the simulator knows ('gpipe', '1f1b').
+    schedule: a schedule's name (or text), or a `Schedule`.
     recompute: one of `schedule.RECOMPUTE_POLICIES`.
     optimizer: 'sgd', 'adam', 'rmsprop', or None (no slots).
     whole_batch_io: True for the FProp form (see the module doc); False
       when the loss runs inside the pipeline, micro-batch by micro-batch.
-    num_chunks: virtual stages per device (schedule='interleaved'): the
-      boundaries then cut K × num_chunks stages, stage s on device s mod K,
-      and the prediction is per device.
+    num_chunks: virtual stages per device (schedule='interleaved' by
+      name): the boundaries then cut K × num_chunks stages, and the
+      prediction is per device (the schedule says which stages it holds).
     stage_processes: whether each device is a process of its own, so
       boundaries travel between processes (the `transfers` component).
 
@@ -190,17 +189,20 @@ def predict(metas: Sequence[Any], boundaries: Sequence[int],
         num_micro_batches=num_micro_batches, flops_per_second=1.0)
     if whole_batch_io:  # Stage 0's input is the whole batch, counted in io.
       costs[0] = dataclasses.replace(costs[0], boundary_bytes=0.0)
+    ops = schedule if isinstance(schedule, schedule_lib.Schedule) else (
+        schedule_lib.make_schedule(schedule, len(costs) // num_chunks,
+                                   num_micro_batches, recompute, num_chunks))
     sim = simulator.simulate(stages=costs,
                              num_micro_batches=num_micro_batches,
-                             recompute=recompute, schedule=schedule,
-                             num_chunks=num_chunks)
-  except (partitioner.PartitionError, simulator.SimulationError) as e:
+                             schedule=ops)
+  except (partitioner.PartitionError, simulator.SimulationError,
+          schedule_lib.ScheduleError) as e:
     raise PreflightError(str(e)) from e
   slots = OPTIMIZER_SLOTS.get(optimizer or '', 0)
   m, out = num_micro_batches, []
-  num_devices = len(costs) // num_chunks
-  for d in range(num_devices):
-    mine = range(d, len(costs), num_devices)  # The device's stages.
+  wired = ops.with_transfers() if stage_processes else None
+  for d in range(ops.num_devices):
+    mine = ops.stages_of(d)
     largest = max(
         max([input_bytes if bounds[s] == 0 else metas[bounds[s] - 1].out_bytes]
             + [x.out_bytes for x in metas[bounds[s]:bounds[s + 1]]])
@@ -211,13 +213,15 @@ def predict(metas: Sequence[Any], boundaries: Sequence[int],
       io += 2.0 * metas[-1].out_bytes if len(costs) - 1 in mine else 0.0
     p = sum(costs[s].param_bytes for s in mine)
     transfers = 0.0
-    if stage_processes and num_devices > 1:
-      for s in mine:  # Boundary bytes per micro-batch, each side.
-        if s > 0:
-          transfers += TRANSFER_BUFFERS * metas[bounds[s] - 1].out_bytes / m
-        if s < len(costs) - 1:
-          transfers += (TRANSFER_BUFFERS *
-                        metas[bounds[s + 1] - 1].out_bytes / m)
+    for s in mine if wired is not None else ():
+      # Boundary bytes per micro-batch, each side: the buffers the action
+      # lists hold at once (recvs posted ahead of their reader, a send).
+      buffers = wired.transfer_buffers(s)
+      if s > 0:
+        transfers += buffers['input'] * metas[bounds[s] - 1].out_bytes / m
+      if s < len(costs) - 1:
+        transfers += (buffers['output'] *
+                      metas[bounds[s + 1] - 1].out_bytes / m)
     out.append(StageMemory(
         parameters=p, gradients=p, optimizer_slots=slots * p,
         activations=sim.peak_activation_bytes[d],

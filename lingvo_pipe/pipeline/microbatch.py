@@ -219,3 +219,31 @@ def check_batched(micro_output: Any, batch_dim: int) -> None:
           f'Pipeline output leaf {i} {what}, so micro-batch outputs cannot '
           'be concatenated. Keep the batch dimension in the last stage (e.g. '
           'return per-example losses and reduce them outside the pipeline).')
+
+
+class MicroBatches:
+  """The micro-batches of a nest, sliced when asked: emitting actions one
+  by one slices the ones it reads, and a loop indexes the whole nest
+  stacked (so neither costs a slice per micro-batch it does not read)."""
+
+  def __init__(self, whole: Any, num_micro_batches: int, batch_dim: int,
+               device: str) -> None:
+    self.whole = whole
+    self.num = num_micro_batches
+    self.batch_dim = batch_dim
+    self.device = device
+    self._parts: dict[int, Any] = {}
+
+  def __len__(self) -> int:
+    return self.num
+
+  def __getitem__(self, m: int) -> Any:
+    if m not in self._parts:
+      with tf.device(self.device):
+        self._parts[m] = one(self.whole, self.num, self.batch_dim, m)
+    return self._parts[m]
+
+  def stacked(self) -> Any:
+    """[M, ..., N/M, ...] per leaf: row m is micro-batch m."""
+    with tf.device(self.device):
+      return stack(self.whole, self.num, self.batch_dim)

@@ -34,6 +34,7 @@ from lingvo_pipe.pipeline import partitioner
 from lingvo_pipe.pipeline import placement
 from lingvo_pipe.pipeline import profile
 from lingvo_pipe.pipeline import schedule as schedule_lib
+from lingvo_pipe.pipeline import schedule_text
 from lingvo_pipe.pipeline import simulator
 
 __all__ = ['Plan', 'PlanError', 'layer_metas', 'make_plan']
@@ -123,6 +124,7 @@ class Plan:
   num_chunks: int
   report: partitioner.PartitionReport
   params: Any
+  stage_devices: tuple[int, ...]  # Stage → device (the schedule's map).
 
   @property
   def num_stages(self) -> int:
@@ -245,7 +247,9 @@ class Plan:
     """The partition report and, with input shapes, the simulated step."""
     m = self.num_micro_batches()
     p = self.params
-    lines = [f'schedule={p.schedule}, recompute={p.recompute}, '
+    name = (p.schedule if p.schedule in schedule_lib.SCHEDULES else
+            'written (text)')
+    lines = [f'schedule={name}, recompute={p.recompute}, '
              f'{self.num_devices} devices × {self.num_chunks} chunk(s)',
              self.report.to_text(num_micro_batches=m,
                                  num_chunks=self.num_chunks)]
@@ -263,6 +267,9 @@ class Plan:
     elif m is None:
       lines.append('M is unknown until the batch size is: set the batch '
                    'dimension of p.input_shapes.')
+    if m is not None:
+      lines.append(f'The schedule, one row per device (M={m}):\n' +
+                   self.schedule(m).to_text())
     return '\n'.join(lines)
 
 
@@ -307,6 +314,35 @@ def _agreed(costs: list[float]) -> list[float]:
   return [float(c) for c in mean(tf.constant(costs, tf.float64)).numpy()]
 
 
+def _written_schedule(p: Any, where: str) -> schedule_lib.Schedule | None:
+  """p.schedule parsed, if it is a schedule's text or file; None for a
+  built-in name; PlanError for anything else."""
+  if p.schedule in schedule_lib.SCHEDULES:
+    return None
+  if not isinstance(p.schedule, str) or not schedule_lib.is_text(p.schedule):
+    raise PlanError(
+        f'{where}: schedule={p.schedule!r:.80}; use one of '
+        f'{schedule_lib.SCHEDULES}, a schedule\'s text (one row per device, '
+        'e.g. "device 0: F0 F1 R1 B1 R0 B0") or a file holding one.')
+  try:
+    m = (p.num_micro_batches if isinstance(p.num_micro_batches, int) and
+         p.micro_batch_size is None else None)
+    written = schedule_text.load(p.schedule, p.num_stages, m)
+  except schedule_lib.ScheduleError as e:
+    raise PlanError(f'{where}: {e}') from None
+  if p.recompute != 'always':
+    raise PlanError(
+        f'{where}: recompute={p.recompute!r} with a written schedule: its R '
+        'actions say what is recomputed; leave recompute at \'always\'.')
+  if written.num_stages % written.num_devices or any(
+      len(written.stages_of(d)) != written.num_stages // written.num_devices
+      for d in range(written.num_devices)):
+    counts = [len(written.stages_of(d)) for d in range(written.num_devices)]
+    raise PlanError(f'{where}: the written schedule puts {counts} stages on '
+                    'its devices; give every device the same number.')
+  return written
+
+
 def make_plan(p: Any, where: str, profile_inputs: Any = None) -> Plan:
   """The plan of PipeliningLayer Params `p` (no variables; no devices
   unless p.costs='profile', which runs each layer once on one device).
@@ -321,9 +357,7 @@ def make_plan(p: Any, where: str, profile_inputs: Any = None) -> Plan:
   if p.recompute not in schedule_lib.RECOMPUTE_POLICIES:
     raise PlanError(f'{where}: recompute={p.recompute!r}; use one of '
                     f'{schedule_lib.RECOMPUTE_POLICIES}.')
-  if p.schedule not in schedule_lib.SCHEDULES:
-    raise PlanError(f'{where}: schedule={p.schedule!r}; use one of '
-                    f'{schedule_lib.SCHEDULES}.')
+  written = _written_schedule(p, where)
   if p.inline_stage_calls is not None and not isinstance(
       p.inline_stage_calls, bool):
     raise PlanError(f'{where}: inline_stage_calls={p.inline_stage_calls!r}; '
@@ -333,6 +367,8 @@ def make_plan(p: Any, where: str, profile_inputs: Any = None) -> Plan:
                     'use True (loop over the steady state) or False (emit '
                     'every op).')
   chunks = p.virtual_stages_per_device if p.schedule == 'interleaved' else 1
+  if written is not None:
+    chunks = written.num_stages // max(1, written.num_devices)
   if not isinstance(chunks, int) or chunks < 1:
     raise PlanError(f'{where}: virtual_stages_per_device={chunks!r}; use an '
                     'int ≥ 2 with the interleaved schedule.')
@@ -379,5 +415,8 @@ def make_plan(p: Any, where: str, profile_inputs: Any = None) -> Plan:
   report = partitioner.make_report(
       costs, bounds, layer_names=[f'{i}:{n}' for i, n in enumerate(names)],
       cost_unit=unit, second_costs=flops, second_cost_unit='flops')
+  where_stages = (written.stage_devices if written is not None else
+                  schedule_lib.stage_devices(p.schedule, k, chunks))
   return Plan(where, tuple(names), None if metas is None else tuple(metas),
-              tuple(costs), unit, tuple(bounds), k, chunks, report, p)
+              tuple(costs), unit, tuple(bounds), k, chunks, report, p,
+              tuple(where_stages))

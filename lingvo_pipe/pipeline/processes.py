@@ -59,11 +59,16 @@ import tensorflow as tf
 from tensorflow.core.protobuf import tensorflow_server_pb2
 from tensorflow.python.eager import context
 
+from lingvo_pipe import errors
 from lingvo_pipe.pipeline import collective
 from lingvo_pipe.pipeline import watchdog as watchdog_lib
-from lingvo_pipe.pipeline.cluster import ClusterError
 
 DEFAULT_JOB = 'worker'
+
+
+class ClusterError(errors.LingvoPipeError, RuntimeError):
+  """A cluster that cannot start: a bad spec, a port in use, a peer that
+  never answered; the message names the task and the fix."""
 
 
 @dataclasses.dataclass(frozen=True)

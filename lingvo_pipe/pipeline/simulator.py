@@ -30,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
-from typing import NamedTuple, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 from lingvo_pipe import errors
 from lingvo_pipe.pipeline import partitioner
@@ -99,17 +99,25 @@ class SimResult:
   num_micro_batches: int
   recompute: str
   schedule: str
-  transfer_time: float
+  transfer_time: float | Callable[[int, int], float]
   step_time: float
   busy: tuple[float, ...]  # Per device: time spent running ops.
   peak_activation_bytes: tuple[float, ...]  # Per device.
   events: tuple[Event, ...]  # Sorted by start time.
-  num_chunks: int = 1  # Virtual stages per device (interleaved).
+  num_chunks: int = 1  # Most stages on one device (interleaved: v).
+  stage_devices: tuple[int, ...] = ()  # Stage → device; () = s mod K.
 
   @property
   def num_stages(self) -> int:
-    """Devices (K); stage s of `stages` runs on device s mod K."""
+    """Devices (K)."""
+    if self.stage_devices:
+      return len(set(self.stage_devices))
     return len(self.stages) // self.num_chunks
+
+  def device_of(self, stage: int) -> int:
+    if self.stage_devices:
+      return self.stage_devices[stage]
+    return stage % self.num_stages
 
   @property
   def idle(self) -> tuple[float, ...]:
@@ -150,10 +158,10 @@ class SimResult:
               'busy %', 'peak act. mem', 'params']
     rows = []
     for k in range(self.num_stages):
-      mine = [self.stages[s] for s in range(k, len(self.stages),
-                                            self.num_stages)]
+      mine = [self.stages[s] for s in range(len(self.stages))
+              if self.device_of(s) == k]
       has_r = any(e.kind == 'R' for e in self.events
-                  if e.stage % self.num_stages == k)
+                  if self.device_of(e.stage) == k)
       busy_share = self.busy[k] / self.step_time if self.step_time else 1.0
 
       def total(kind: str, mine=mine) -> float:
@@ -166,11 +174,13 @@ class SimResult:
           format_quantity(self.peak_activation_bytes[k], 'bytes'),
           format_quantity(math.fsum(s.param_bytes for s in mine), 'bytes')])
     k, m = self.num_stages, self.num_micro_batches
+    hop = ('per link' if callable(self.transfer_time) else
+           t(self.transfer_time))
     chunks = f' × {self.num_chunks} chunks' if self.num_chunks > 1 else ''
     return '\n'.join([
         f'schedule={self.schedule}, recompute={self.recompute}, K={k}{chunks}, '
         f'M={m}, '
-        f'transfer_time={t(self.transfer_time)} (forward, backward, recompute: '
+        f'transfer_time={hop} (forward, backward, recompute: '
         'per micro-batch; busy, idle: per step)',
         partitioner.format_table(header, rows, 'r' + 'r' * 8),
         f'step time: {t(self.step_time)}',
@@ -182,18 +192,28 @@ class SimResult:
 
 
 def simulate(stages: Sequence[StageCost], num_micro_batches: int,
-             recompute: str = 'always', schedule: str = 'gpipe',
-             transfer_time: float = 0.0, num_chunks: int = 1) -> SimResult:
+             recompute: str = 'always',
+             schedule: str | schedule_lib.Schedule = 'gpipe',
+             transfer_time: float | Callable[[int, int], float] = 0.0,
+             num_chunks: int = 1,
+             link_busy: Callable[[int, int], float] | None = None
+             ) -> SimResult:
   """Replays one training step of a K-stage, M-micro-batch pipeline.
 
   Args:
-    stages: one StageCost per (virtual) stage: K × num_chunks of them,
-      stage s on device s mod K.
+    stages: one StageCost per (virtual) stage: K × num_chunks of them.
     num_micro_batches: M.
     recompute: one of `schedule.RECOMPUTE_POLICIES` (see `schedule.py`).
-    schedule: 'gpipe', '1f1b' or 'interleaved'.
-    transfer_time: per micro-batch stage-to-stage transfer time.
-    num_chunks: virtual stages per device (interleaved only).
+    schedule: a schedule's name ('gpipe', '1f1b', 'interleaved'), text
+      (`schedule_text.py`), or a `Schedule`, which says where each stage
+      runs (round-robin by name).
+    transfer_time: per micro-batch stage-to-stage transfer time, or a
+      callable (from device, to device) → seconds, e.g.
+      `links.Cluster.transfer_time_fn`.
+    num_chunks: stages per device (interleaved only, by name).
+    link_busy: optional (from device, to device) → seconds a transfer
+      holds its link (`links.Cluster.link_busy_fn`): transfers in one
+      direction then queue (`actions.run_times`).
 
   Returns:
     A SimResult.
@@ -204,34 +224,54 @@ def simulate(stages: Sequence[StageCost], num_micro_batches: int,
   if not stages or not all(isinstance(s, StageCost) for s in stages):
     raise SimulationError(f'stages must be a non-empty list of StageCost, got '
                           f'{stages!r}.')
-  _check_amount('transfer_time', transfer_time)
-  if (isinstance(num_chunks, bool) or not isinstance(num_chunks, int) or
-      num_chunks < 1 or len(stages) % num_chunks):
-    raise SimulationError(f'num_chunks={num_chunks!r} must be an int ≥ 1 '
-                          f'that divides the {len(stages)} stages.')
-  devices = len(stages) // num_chunks
+  if not callable(transfer_time):
+    _check_amount('transfer_time', transfer_time)
   try:
-    ops = schedule_lib.make_schedule(schedule, devices, num_micro_batches,
-                                     recompute, num_chunks)
+    ops = _schedule(schedule, len(stages), num_micro_batches, recompute,
+                    num_chunks)
+    times = schedule_lib.run_times(
+        ops, lambda d, a: stages[a.stage].time(a.kind), transfer_time,
+        link_busy)
   except schedule_lib.ScheduleError as e:
     raise SimulationError(str(e)) from e
-  times = schedule_lib.run_times(
-      ops, lambda d, op: stages[ops.stage(d, op)].time(op.kind),
-      transfer_time)
+  compute = ops.compute()
   events = sorted(
-      (Event(ops.stage(d, op), op.micro_batch, op.kind, start, end)
-       for d, device_ops in enumerate(ops)
-       for op, (start, end) in zip(device_ops, times[d])),
+      (Event(a.stage, a.micro_batch, a.kind, start, end)
+       for d, device_ops in enumerate(compute)
+       for a, (start, end) in zip(device_ops, times[d])),
       key=lambda e: (e.start, e.stage))
   step_time = max((e.end for e in events), default=0.0)
+  devices = ops.num_devices
   busy = tuple(math.fsum(e.end - e.start for e in events
-                         if e.stage % devices == d) for d in range(devices))
+                         if ops.device_of(e.stage) == d)
+               for d in range(devices))
   peaks = tuple(_peak_memory(stages, [e for e in events
-                                      if e.stage % devices == d])
+                                      if ops.device_of(e.stage) == d])
                 for d in range(devices))
-  return SimResult(tuple(stages), num_micro_batches, recompute, schedule,
+  return SimResult(tuple(stages), ops.num_micro_batches, ops.recompute,
+                   ops.name, transfer_time if callable(transfer_time) else
                    float(transfer_time), step_time, busy, peaks,
-                   tuple(events), num_chunks)
+                   tuple(events), ops.num_chunks, ops.stage_devices)
+
+
+def _schedule(schedule: str | schedule_lib.Schedule, num_stages: int,
+              num_micro_batches: int, recompute: str,
+              num_chunks: int) -> schedule_lib.Schedule:
+  """The Schedule to replay, checked against the stages' count."""
+  if isinstance(schedule, schedule_lib.Schedule):
+    ops = schedule
+  else:
+    if (isinstance(num_chunks, bool) or not isinstance(num_chunks, int) or
+        num_chunks < 1 or num_stages % num_chunks):
+      raise SimulationError(f'num_chunks={num_chunks!r} must be an int ≥ 1 '
+                            f'that divides the {num_stages} stages.')
+    ops = schedule_lib.make_schedule(schedule, num_stages // num_chunks,
+                                     num_micro_batches, recompute, num_chunks)
+  if ops.num_stages != num_stages:
+    raise SimulationError(
+        f'{num_stages} stage costs for a schedule of {ops.num_stages} '
+        'stages; give one StageCost per stage.')
+  return ops
 
 
 def _peak_memory(stages: Sequence[StageCost], events: list[Event]) -> float:

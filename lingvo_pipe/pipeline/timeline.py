@@ -38,7 +38,8 @@ from lingvo_pipe import errors
 from lingvo_pipe.core import fprop_context
 from lingvo_pipe.pipeline import simulator
 
-__all__ = ['KINDS', 'Record', 'StepRecorder', 'TimelineError',
+__all__ = ['KINDS', 'Record', 'RecordBatch', 'StepRecorder', 'TimelineError',
+           'from_stamps', 'stamps',
            'calibrated_costs', 'normalized', 'overlap_fraction', 'plot_gantt',
            'record_step',
            'to_chrome_trace', 'write_chrome_trace']
@@ -59,6 +60,40 @@ class Record(NamedTuple):
   kind: str  # 'F', 'R' or 'B'.
   start: float  # Seconds.
   end: float
+
+
+class RecordBatch(NamedTuple):
+  """The records of a loop, as the engine's sink holds them: `values`
+  [iterations, len(keys), 3] holds (micro-batch, start, end) of each
+  (stage, kind) of `keys`, per iteration."""
+  keys: list[tuple[int, str]]
+  values: tf.Tensor
+  count: int  # Iterations.
+
+
+def stamps(sink: Sequence[Any]) -> tuple[list[Any], tf.Tensor]:
+  """A recorded step's sink (records, and record batches of loops) as
+  (keys, an [N, 3] float64 tensor of (micro-batch, start, end)): what a
+  traced step returns, read back by `from_stamps`."""
+  keys: list[Any] = []
+  parts = []
+  for entry in sink:
+    if isinstance(entry, RecordBatch):
+      keys += [key for _ in range(entry.count) for key in entry.keys]
+      parts.append(tf.reshape(entry.values, [-1, 3]))
+    else:
+      stage, m, kind, start, end = entry
+      keys.append((int(stage), str(kind)))
+      parts.append(tf.reshape(tf.stack(
+          [tf.cast(m, tf.float64), start, end]), [1, 3]))
+  values = tf.concat(parts, 0) if parts else tf.zeros([0, 3], tf.float64)
+  return keys, values
+
+
+def from_stamps(keys: Sequence[Any], values: Any) -> list[Record]:
+  """Records from `stamps`'s keys and its tensor's value (numpy)."""
+  return [Record(stage, int(m), kind, float(start), float(end))
+          for (stage, kind), (m, start, end) in zip(keys, values)]
 
 
 def _checked(records: Iterable[Any]) -> list[Record]:
@@ -107,7 +142,7 @@ class StepRecorder:
                loss_fn: Callable[..., Any], step: int = 0,
                update: Callable[[list[Any], list[tf.Tensor]], Any] | None
                = None, labels: Any = None, normalize: bool = True) -> None:
-    self._keys: list[tuple[int, int, str]] = []
+    self._keys: list[Any] = []
     self._normalize = normalize
     variables = list(net.trainable_variables)
 
@@ -128,18 +163,16 @@ class StepRecorder:
         raise TimelineError(
             f'{net.path}: the step recorded no ops; StepRecorder needs a '
             'PipeliningLayer (or a layer that runs one) as `net`.')
-      self._keys = [(int(k), int(m), str(kind))
-                    for k, m, kind, _, _ in timeline]
+      self._keys, values = stamps(timeline)
       with tf.control_dependencies(
           [g for g in grads if g is not None] + [loss]):
-        return tf.stack([tf.stack([s, e]) for _, _, _, s, e in timeline])
+        return tf.identity(values)
 
     self._fn = _step
 
   def __call__(self) -> list[Record]:
-    times = self._fn().numpy()  # [num_records, 2], seconds.
-    records = [Record(k, m, kind, float(s), float(e))
-               for (k, m, kind), (s, e) in zip(self._keys, times)]
+    values = self._fn().numpy()  # Traces first: that sets the keys.
+    records = from_stamps(self._keys, values)
     return normalized(records) if self._normalize else _checked(records)
 
 

@@ -36,32 +36,8 @@ NUM_LAYERS = {'conv_bn': 8, 'transformer': 4, 'nested': 6}
 SCHEDULES = ('gpipe', '1f1b', 'interleaved')
 
 
-@functools.lru_cache(maxsize=None)
-def _reference(model: str, num_micro_batches: int) -> tuple:
-  """(float32, float64) references: loss, gradients, statistics."""
-  net, inputs = stacks.net(model, num_stages=1,
-                            num_micro_batches=num_micro_batches)
-  labels = stacks.loss_labels(model)
-  out = []
-  for layers in (net.children.layers,
-                 stacks.float64_twin(net).children.layers):
-    with tf.GradientTape() as tape:
-      _, y, _, stats = stacks.reference(net, inputs, num_micro_batches,
-                                         layers=layers)
-      loss = stacks.weighted_loss(y, labels)['loss'][0]
-    grads = tape.gradient(loss, net.theta)
-    out.append((loss, grads, [stats[k] for k in sorted(stats)]))
-  return tuple(out)
-
-
-def _pipelined(net, inputs, labels):
-  collector = fprop_context.StatsCollector()
-  with tf.GradientTape() as tape:
-    with fprop_context.scope(training=True, step=7, stats=collector):
-      metrics = net.FPropLoss(net.theta, inputs, labels, stacks.weighted_loss)
-  grads = tape.gradient(metrics['loss'][0], net.theta)
-  stats = collector.stats
-  return metrics['loss'][0], grads, [stats[k] for k in sorted(stats)]
+_reference = functools.lru_cache(maxsize=None)(stacks.loss_reference)
+_pipelined = stacks.pipelined_loss
 
 
 def _valid(model, schedule, k, m) -> bool:

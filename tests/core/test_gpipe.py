@@ -21,6 +21,7 @@ from lingvo_pipe.core import base_layer
 from lingvo_pipe.core import fprop_context
 from lingvo_pipe.core import gpipe
 from lingvo_pipe.core.nested_map import NestedMap
+from lingvo_pipe.pipeline import timeline
 from lingvo_pipe.pipeline import transparency
 from lingvo_pipe.layers import embedding
 from lingvo_pipe.layers import linear
@@ -172,24 +173,35 @@ def test_fprop_meta_of_whole_pipeline_sums_layers():
   assert meta.out_shapes[0].as_list() == [stacks.BATCH, 3]
 
 
-def test_timeline_does_not_serialise_the_stages():
+@pytest.mark.parametrize('loop', [False, True])
+def test_timeline_does_not_serialise_the_stages(loop):
   # Regression: tf.timestamp() made the stage calls stateful, and
   # tf.function's automatic control dependencies then chained every call in
   # program order — stage 1 could not start before stage 0 had finished.
-  net, inputs = stacks.net('nested', num_stages=2, num_micro_batches=4)
+  # Recorded steps loop over their steady state too: the same holds inside
+  # each loop body.
+  net, inputs = stacks.net('nested', num_stages=2, num_micro_batches=8,
+                           loop_steady_state=loop)
 
   @tf.function
   def _step():
-    timeline = []
+    sink = []
     with tf.GradientTape() as tape:
-      with fprop_context.scope(training=True, step=1, timeline=timeline):
+      with fprop_context.scope(training=True, step=1, timeline=sink):
         loss = stacks.square_loss(net.FProp(net.theta, *inputs))
     tape.gradient(loss, net.theta)
-    return [tf.stack(r[3:]) for r in timeline]
+    return timeline.stamps(sink)[1]
 
   graph = _step.get_concrete_function().graph
-  calls = [op for op in graph.get_operations() if 'PartitionedCall' in op.type]
-  assert len(calls) == 2 * 4 * 2  # (forward, backward) per stage, micro-batch.
+  graphs = [graph] + [
+      graph._get_function(op.get_attr('body').name).graph  # pylint: disable=protected-access
+      for op in graph.get_operations() if op.type in ('While',
+                                                      'StatelessWhile')]
+  assert (len(graphs) > 1) == loop
+  calls = [op for g in graphs for op in g.get_operations()
+           if 'PartitionedCall' in op.type and '/stage' in '/' + op.name]
+  if not loop:  # (forward, backward) per stage, micro-batch.
+    assert len(calls) == 2 * 8 * 2, [op.name for op in calls]
   for op in calls:
     for dep in op.control_inputs:
       assert 'PartitionedCall' not in dep.type, (op.name, dep.name)

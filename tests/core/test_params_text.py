@@ -287,8 +287,8 @@ def test_type_resolves_imported_modules_and_the_package():
   p = _params(cls=int, x=None)
   p.FromText('cls : type/collections.OrderedDict')  # Already imported.
   assert p.cls is collections.OrderedDict
-  p.FromText('cls : type/lingvo_pipe.pipeline.schedule.Op')
-  assert p.cls.__name__ == 'Op'
+  p.FromText('cls : type/lingvo_pipe.pipeline.schedule.Action')
+  assert p.cls.__name__ == 'Action'
   with pytest.raises(ParamsError, match='no working Params'):
     p.FromText('x.cls : type/lingvo_pipe.params.synthetic.regression/'
                'MlpRegression')  # A model config, not a params class.

@@ -33,6 +33,8 @@ _RECOMPUTE = flags.DEFINE_string('recompute', 'always', 'Policy.')
 _COSTS = flags.DEFINE_string('costs', '', "'profile': p.costs='profile' "
                              '(each process profiles); else FPropMeta flops.')
 _OUT = flags.DEFINE_string('out', '', 'Where the JSON goes.')
+_GRAPH_OUT = flags.DEFINE_string('graph_out', '', 'Where the traced step\'s '
+                                 'GraphDef goes (with its functions).')
 
 
 def _step(net, inputs, labels, loss_fn):
@@ -68,6 +70,10 @@ def main(argv):
     inputs = tuple(x[r * n:(r + 1) * n] for x in inputs)
     labels = labels.Transform(lambda x: x[r * n:(r + 1) * n])
     step = _step(net, inputs, labels, stacks.weighted_loss)
+    if _GRAPH_OUT.value:
+      with open(_GRAPH_OUT.value, 'wb') as f:
+        f.write(step.get_concrete_function().graph.as_graph_def()
+                .SerializeToString())
     for _ in range(2):  # The same keys on every step.
       metrics, grads, stats = step()
     out = {

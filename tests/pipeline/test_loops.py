@@ -23,8 +23,8 @@ from lingvo_pipe.pipeline import engine
 from lingvo_pipe.pipeline import loops
 from lingvo_pipe.pipeline import microbatch
 from lingvo_pipe.pipeline import schedule as schedule_lib
-from lingvo_pipe.pipeline import walker as walker_lib
-from lingvo_pipe.pipeline.stage_ops import Stage
+from lingvo_pipe.pipeline import executor
+from lingvo_pipe.pipeline.stage import Stage
 
 import pipeline_stacks as stacks  # pylint: disable=g-bad-import-order
 
@@ -33,18 +33,17 @@ LOOPED = ('always', 'needed', 'except_last')
 
 def _plan(name: str, k: int, m: int, recompute: str,
           seeds: bool = False) -> tuple[list, list[loops.Segment], loops.IO]:
-  """(emission order, plan, what each op reads and writes) as the engine's
-  walker makes them."""
+  """(emission order, plan, what each action reads and writes) as the
+  engine's executor makes them."""
   schedule = schedule_lib.make_schedule(
       name, k, m, recompute, 2 if name == 'interleaved' else 1)
-  stages = [Stage(lambda theta, x: x, [], '/device:CPU:0')
-            for _ in range(schedule.num_stages)]
-  with tf.Graph().as_default():
-    walker = walker_lib.Walker(stages, schedule, m, 0)
-  walker.seeds = [] if seeds else None
   order = schedule_lib.emission_order(schedule)
-  walker.plan(order)
-  return order, walker.segments, walker._io  # pylint: disable=protected-access
+  last = schedule.num_stages - 1
+  final = ([('y', last, i) for i in range(m)] +
+           [('dx', 0, i) for i in range(m)])
+  segments = loops.plan(schedule, order, final, executor.MIN_LOOP_ITERATIONS,
+                        executor.LOOP_UNROLL, seeded=seeds)
+  return order, segments, loops.io_of(schedule, seeds)
 
 
 def _unrolled(segments: list[loops.Segment]) -> list:

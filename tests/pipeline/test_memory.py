@@ -6,8 +6,9 @@ from lingvo_pipe.core import gpipe
 from lingvo_pipe.core import optimizer
 from lingvo_pipe.core.base_layer import LayerMeta
 from lingvo_pipe.layers import linear
+from lingvo_pipe.pipeline import actions
 from lingvo_pipe.pipeline import memory
-from lingvo_pipe.pipeline import walker
+from lingvo_pipe.pipeline import schedule
 from lingvo_pipe.pipeline.memory import MemoryBudgetError, PreflightError
 
 MIB = 2**20
@@ -81,20 +82,28 @@ def test_components_and_optimizer_slots():
 
 
 def test_stage_processes_hold_transfers_in_flight():
-  # The recvs the walker posts ahead of their reader, and one send.
-  n = memory.TRANSFER_BUFFERS
-  assert n == walker.RECV_LOOKAHEAD + 1
-  # Boundary after layer 1 (8 MiB for the batch): 2 MiB per micro-batch at
-  # M=4, n of them on each side of the boundary.
+  # Counted off the action lists with transfers (actions.RECV_LOOKAHEAD =
+  # 3): GPipe, K=2, M=4. Device 1 posts RECV_F0..3 before F0 (each 3
+  # compute actions ahead of its reader, none before the first): 4 inputs
+  # at once, + the input gradient it sends = 5 on its input side. Device 0
+  # posts RECV_B3 and RECV_B2 before R3 (its readers R3, R2 at positions
+  # 4 and 6): 2 output gradients at once, + the output it sends = 3.
+  assert actions.RECV_LOOKAHEAD == 3
+  wired = schedule.gpipe_schedule(2, 4).with_transfers()
+  assert [wired.transfer_buffers(s) for s in (0, 1)] == [
+      {'input': 0, 'output': 3}, {'input': 5, 'output': 0}]
+  # Boundary after layer 1 (8 MiB for the batch): 2 MiB per micro-batch.
   metas = _metas(4, 8 * MIB, param_bytes=3 * MIB)
   pred = memory.predict(metas, [0, 1, 4], 4, input_bytes=2 * MIB,
                         stage_processes=True)
-  assert [s.transfers for s in pred.stages] == [n * 2 * MIB, n * 2 * MIB]
+  assert [s.transfers for s in pred.stages] == [3 * 2 * MIB, 5 * 2 * MIB]
   assert pred.stages[0].total == memory.predict(
-      metas, [0, 1, 4], 4, input_bytes=2 * MIB).stages[0].total + n * 2 * MIB
+      metas, [0, 1, 4], 4, input_bytes=2 * MIB).stages[0].total + 6 * MIB
   three = memory.predict(metas, [0, 1, 2, 4], 4, input_bytes=2 * MIB,
                          stage_processes=True)
-  assert three.stages[1].transfers == 2 * n * 2 * MIB  # Both sides.
+  middle = schedule.gpipe_schedule(3, 4).with_transfers().transfer_buffers(1)
+  assert three.stages[1].transfers == (  # Both sides.
+      middle['input'] * 2 * MIB + middle['output'] * 2 * MIB)
   assert 'transfers' in pred.to_text()
 
 

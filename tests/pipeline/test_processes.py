@@ -20,7 +20,7 @@ import pytest
 
 from lingvo_pipe.pipeline import processes
 from lingvo_pipe.pipeline import watchdog
-from lingvo_pipe.pipeline.cluster import ClusterError
+from lingvo_pipe.pipeline.processes import ClusterError
 from runtime_procs import Tasks, WORKER, free_ports, spec  # pylint: disable=g-bad-import-order
 
 

@@ -5,7 +5,7 @@ import random
 import pytest
 
 from lingvo_pipe.pipeline import schedule
-from lingvo_pipe.pipeline.schedule import Op, ScheduleError
+from lingvo_pipe.pipeline.schedule import Action, Schedule, ScheduleError
 
 
 def _picture(sched, width=2):
@@ -13,10 +13,10 @@ def _picture(sched, width=2):
   ticks = schedule.clock_cycles(sched)
   end = max(t for stage in ticks for t in stage) + 1
   lines = []
-  for ops, starts in zip(sched, ticks):
+  for d, (ops, starts) in enumerate(zip(sched, ticks)):
     row = ['.' * width] * end
     for op, t in zip(ops, starts):
-      row[t] = str(op).ljust(width)
+      row[t] = op.label(sched.stages_of(d) != (d,)).ljust(width)
     lines.append(' '.join(row).rstrip())
   return lines
 
@@ -66,16 +66,17 @@ def test_needed_leaves_out_each_r_right_after_its_own_forward():
       for ops, full in zip(sched, always):
         # Exactly the R ops that directly follow their F are gone.
         assert list(ops) == [op for i, op in enumerate(full) if not (
-            op.kind == 'R' and full[i - 1] == Op('F', op.micro_batch,
-                                                  op.chunk))], (name, k, m)
+            op.kind == 'R' and full[i - 1] == Action('F', op.micro_batch,
+                                                      op.stage))], (name, k, m)
 
 
 def test_except_last_has_no_recompute_on_the_last_stage():
   sched = schedule.gpipe_schedule(3, 2, 'except_last')
   assert [any(op.kind == 'R' for op in ops) for ops in sched] == [
       True, True, False]
-  assert [str(op) for op in sched[2]] == ['F0', 'F1', 'B1', 'B0']
-  assert [str(op) for op in sched[0]] == ['F0', 'F1', 'R1', 'B1', 'R0', 'B0']
+  assert [op.label(False) for op in sched[2]] == ['F0', 'F1', 'B1', 'B0']
+  assert [op.label(False) for op in sched[0]] == ['F0', 'F1', 'R1', 'B1',
+                                                  'R0', 'B0']
 
 
 def test_one_f_one_b_picture():
@@ -95,13 +96,13 @@ def test_interleaved_picture():
   # against 1F1B's 10: the bubble halves.
   sched = schedule.interleaved_schedule(2, 4, 'never', num_chunks=2)
   assert _picture(sched, 4) == [
-      'F0   F1   F0c1 F1c1 F2   B0c1 F3   B1c1 F2c1 B0   F3c1 B1   .... '
-      'B2c1 .... B3c1 B2   B3',
-      '.... F0   F1   F0c1 B0c1 F1c1 B1c1 F2   B0   F3   B1   F2c1 B2c1 '
-      'F3c1 B3c1 B2   B3   ....',
+      'F0@0 F1@0 F0@2 F1@2 F2@0 B0@2 F3@0 B1@2 F2@2 B0@0 F3@2 B1@0 .... '
+      'B2@2 .... B3@2 B2@0 B3@0',
+      '.... F0@1 F1@1 F0@3 B0@3 F1@3 B1@3 F2@1 B0@1 F3@1 B1@1 F2@3 B2@3 '
+      'F3@3 B3@3 B2@1 B3@1 ....',
   ]
   assert (sched.num_devices, sched.num_chunks, sched.num_stages) == (2, 2, 4)
-  assert sched.stage(1, Op('F', 0, 1)) == 3 and sched.place(3) == (1, 1)
+  assert sched.device_of(3) == 1 and sched.stages_of(1) == (1, 3)
 
 
 @pytest.mark.parametrize('num_devices,num_chunks', [(2, 2), (2, 3), (4, 2)])
@@ -131,8 +132,8 @@ def test_recompute_policy_lives_on_the_schedule():
   sched = schedule.interleaved_schedule(2, 2, 'except_last', 2)
   assert [sched.recomputes(s) for s in range(4)] == [True, True, True,
                                                      False]
-  # The last stage (device 1, chunk 1) has no R; device 1's chunk 0 does.
-  assert {op.chunk for op in sched[1] if op.kind == 'R'} == {0}
+  # The last stage (device 1's second) has no R; device 1's first does.
+  assert {op.stage for op in sched[1] if op.kind == 'R'} == {1}
 
 
 @pytest.mark.parametrize('name', schedule.SCHEDULES)
@@ -194,38 +195,40 @@ def test_dependencies_hold_under_random_op_times(name, recompute, num_stages,
 
 
 def test_dependencies_of_each_kind():
+  # Derived from what each action reads (Schedule.io): R gathers the saved
+  # input and the incoming gradient, its B reads what R gathered.
+  a = Action
   sched = schedule.gpipe_schedule(3, 2, 'except_last')
-  assert schedule.dependencies(sched, 0, Op('F', 1)) == []
-  assert schedule.dependencies(sched, 1, Op('F', 1)) == [(0, Op('F', 1))]
-  assert schedule.dependencies(sched, 1, Op('R', 0)) == [
-      (1, Op('F', 0)), (2, Op('B', 0))]
-  assert schedule.dependencies(sched, 1, Op('B', 0)) == [
-      (1, Op('R', 0)), (2, Op('B', 0))]
-  assert schedule.dependencies(sched, 2, Op('B', 0)) == [(2, Op('F', 0))]
+  assert schedule.dependencies(sched, 0, a('F', 1, 0)) == []
+  assert schedule.dependencies(sched, 1, a('F', 1, 1)) == [(0, a('F', 1, 0))]
+  assert schedule.dependencies(sched, 1, a('R', 0, 1)) == [
+      (1, a('F', 0, 1)), (2, a('B', 0, 2))]
+  assert schedule.dependencies(sched, 1, a('B', 0, 1)) == [(1, a('R', 0, 1))]
+  assert schedule.dependencies(sched, 2, a('B', 0, 2)) == [(2, a('F', 0, 2))]
   sched = schedule.gpipe_schedule(2, 2, 'always')
-  assert schedule.dependencies(sched, 1, Op('R', 0)) == [(1, Op('F', 0))]
-  assert schedule.dependencies(sched, 1, Op('B', 0)) == [(1, Op('R', 0))]
+  assert schedule.dependencies(sched, 1, a('R', 0, 1)) == [(1, a('F', 0, 1))]
+  assert schedule.dependencies(sched, 1, a('B', 0, 1)) == [(1, a('R', 0, 1))]
 
 
 def test_deadlock_is_reported():
-  # Stage 1 runs B0 before F0: it waits on its own later op forever.
-  sched = [[Op('F', 0), Op('B', 0)], [Op('B', 0), Op('F', 0)]]
-  with pytest.raises(ScheduleError, match='cannot finish.*stage 1: B0'):
+  # Stage 1 runs B0 before F0: it waits on its own later action forever.
+  sched = Schedule.from_lists('bad', [[('F', 0), ('B', 0)],
+                                      [('B', 0), ('F', 0)]])
+  with pytest.raises(ScheduleError, match='cannot finish.*device 1: B0@1'):
     schedule.clock_cycles(sched)
 
 
-@pytest.mark.parametrize('sched, message', [
-    ([], 'no stages'),
-    ([[Op('F', 0)]], "missing ['B0']"),
-    ([[Op('F', 0), Op('B', 0), Op('B', 0)]], "repeated or unexpected ['B0']"),
-    ([[Op('F', 0), Op('R', 0), Op('B', 0)], [Op('F', 0), Op('B', 0),
-                                             Op('R', 1)]],
-     "Stage 1 must run"),
-    ([[Op('F', 0), Op('X', 0), Op('B', 0)]], 'unknown kind'),
+@pytest.mark.parametrize('lists, message', [
+    ([], 'no actions'),
+    ([[('F', 0)]], 'stage 0 lacks B0'),
+    ([[('F', 0), ('B', 0), ('B', 0)]], 'B0@0 is repeated'),
+    ([[('F', 0), ('R', 0), ('B', 0)], [('F', 0), ('B', 0), ('R', 1)]],
+     'stage 0 lacks F1, B1'),
+    ([[('F', 0), ('X', 0), ('B', 0)]], 'unknown kind'),
 ])
-def test_check_schedule_errors(sched, message):
+def test_check_schedule_errors(lists, message):
   with pytest.raises(ScheduleError) as e:
-    schedule.check_schedule(sched)
+    schedule.check_schedule(Schedule.from_lists('bad', lists))
   assert message in str(e.value)
 
 

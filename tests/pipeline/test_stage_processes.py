@@ -25,64 +25,7 @@ from lingvo_pipe.pipeline import transparency
 
 import pipeline_stacks as stacks  # pylint: disable=g-bad-import-order
 import runtime_procs  # pylint: disable=g-bad-import-order
-
-_PROC = os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                     'stage_proc.py')
-
-
-def _reference(model, num_stages, num_micro_batches, schedule, recompute):
-  net, inputs = stacks.net(model, num_stages=num_stages,
-                           num_micro_batches=num_micro_batches,
-                           schedule=schedule, recompute=recompute)
-  labels = stacks.loss_labels(model)
-
-  @tf.function(autograph=False)
-  def step():
-    collector = fprop_context.StatsCollector()
-    with tf.GradientTape() as tape:
-      with fprop_context.scope(training=True, step=7, stats=collector):
-        metrics = net.FPropLoss(net.theta, inputs, labels,
-                                stacks.weighted_loss)
-    grads = tape.gradient(metrics['loss'][0], net.trainable_variables)
-    return metrics, grads, collector.stats
-
-  # The float64 leg: the same layers computing in float64 on net.theta, in
-  # one stage, so float32 rounding can be told from a pipeline error.
-  twin = stacks.float64_twin(net)
-
-  @tf.function(autograph=False)
-  def step64():
-    with tf.GradientTape() as tape:
-      with fprop_context.scope(training=True, step=7):
-        loss = twin.FPropLoss(net.theta, inputs, labels,
-                              stacks.weighted_loss)['loss'][0]
-    return tape.gradient(loss, net.trainable_variables)
-
-  metrics, grads, stats = step()
-  variables = net.trainable_variables
-  return ({k: [float(v[0]), float(v[1])] for k, v in metrics.items()},
-          {v.name: np.asarray(g) for v, g in zip(variables, grads)},
-          {k: {n: np.asarray(x) for n, x in s.items()}
-           for k, s in stats.items()},
-          {v.name: np.asarray(g) for v, g in zip(variables, step64())})
-
-
-def _run(tmp_path, model, k, r, m, schedule, recompute, costs=''):
-  flags = [f'--model={model}', f'--num_stages={k}',
-           f'--num_micro_batches={r * m}',  # Of the global batch.
-           f'--schedule={schedule}', f'--recompute={recompute}',
-           f'--costs={costs}']
-  cluster = runtime_procs.spec(runtime_procs.free_ports(k * r))
-  outs = [tmp_path / f'task{t}.json' for t in range(k * r)]
-  with runtime_procs.Tasks(tmp_path) as tasks:
-    for t in range(k * r):
-      tasks.start([_PROC, f'--cluster_spec={cluster}', f'--task={t}',
-                   f'--out={outs[t]}'] + flags, f'task{t}')
-    for t, proc in enumerate(tasks.procs):
-      assert proc.wait(timeout=runtime_procs.TIMEOUT_S) == 0, (
-          t, tasks.output(t)[1][-3000:])
-  return [json.loads(p.read_text()) for p in outs]
-
+import stage_runs  # pylint: disable=g-bad-import-order
 
 @pytest.mark.parametrize('model,k,r,m,schedule,recompute', [
     ('nested', 2, 1, 4, '1f1b', 'always'),
@@ -91,11 +34,17 @@ def _run(tmp_path, model, k, r, m, schedule, recompute, costs=''):
     ('nested', 2, 1, 4, 'interleaved', 'never'),
     ('nested', 4, 1, 4, '1f1b', 'except_last'),
     ('conv_bn', 2, 1, 4, 'gpipe', 'needed'),  # Kept F3 on both stages.
+    # M=8: the steady state runs as loops in each process.
+    ('transformer', 2, 1, 8, '1f1b', 'always'),
+    ('nested', 2, 1, 8, 'gpipe', 'always'),
+    # A written schedule: 1F1B, one more warm-up forward on device 0.
+    ('nested', 2, 1, 4, 'device 0: F0 F1 F2 R0 B0 F3 R1 B1 R2 B2 R3 B3\n'
+     'device 1: F0 R0 B0 F1 R1 B1 F2 R2 B2 F3 R3 B3', 'always'),
 ])
 def test_stage_processes_equal_one_process(tmp_path, model, k, r, m,
                                            schedule, recompute):
-  runs = _run(tmp_path, model, k, r, m, schedule, recompute)
-  want_metrics, want_grads, want_stats, want64 = _reference(
+  runs = stage_runs.run(tmp_path, model, k, r, m, schedule, recompute)
+  want_metrics, want_grads, want_stats, want64 = stage_runs.reference(
       model, k, r * m, schedule, recompute)
   seen = set()
   for run in runs:
@@ -117,12 +66,12 @@ def test_profiled_partition_is_the_same_in_every_process(tmp_path):
   """costs='profile': each process times the layers itself, and timings
   differ between processes; all must still cut the same stages (else they
   would wait on transfers that never come), and train like one process."""
-  runs = _run(tmp_path, 'nested', 3, 1, 2, 'gpipe', 'always', 'profile')
+  runs = stage_runs.run(tmp_path, 'nested', 3, 1, 2, 'gpipe', 'always', 'profile')
   assert all(r['costs'] == runs[0]['costs'] for r in runs), [
       np.asarray(r['costs']) / runs[0]['costs'] - 1 for r in runs]
   assert all(r['boundaries'] == runs[0]['boundaries'] for r in runs)
   assert len(set(runs[0]['costs'])) > 1  # Measured, not a placeholder.
-  want_metrics = _reference('nested', 3, 2, 'gpipe', 'always')[0]
+  want_metrics = stage_runs.reference('nested', 3, 2, 'gpipe', 'always')[0]
   for run in runs:
     for name, value in run['metrics'].items():
       np.testing.assert_allclose(value, want_metrics[name], rtol=1e-5)

@@ -1,4 +1,4 @@
-"""Issue 9: pipeline efficiency of 2 stage processes, and data parallelism.
+"""Pipeline efficiency of 2 stage processes, and data parallelism.
 
 Each round is one run of 2 processes (`lingvo_pipe.launch`, task i pinned
 to core i), fresh processes every round, in which these steps of the same

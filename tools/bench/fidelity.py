@@ -1,4 +1,4 @@
-"""Issue 10: does the simulator predict real steps? Calibrate on four.
+"""Does the simulator predict real steps? Calibrate on four.
 
 The simulator takes per-stage op times and a stage-to-stage transfer time.
 Each round (fresh stage processes) measures K ∈ {1, 2} × M ∈ {1, 4, 8, 16}
@@ -21,7 +21,7 @@ model, every other one is predicted from them:
 
 A transfer at M then takes latency + (t1 − latency) / M: its bytes are the
 batch's ÷ M, and between stage processes on one host they travel through
-gRPC at ~3 ms per MiB (tools/probe_collective.py; at M=1 the whole batch's
+gRPC at ~3 ms per MiB (measured with a two-process send/recv probe; at M=1 the whole batch's
 2 MiB crosses each hop), after a latency that does not shrink: the
 receiving process must be woken and scheduled. A constant per-hop time
 (t1 at every M) made 1F1B — whose steady state waits a round trip per

@@ -5,8 +5,8 @@
   weights costs (target ≤ 1.05×).
 * Recompute re-runs each stage's forward in the backward: ≤ 1.33× the step
   (backward ≈ 2 × forward, so one extra forward is ~+33%).
-* Tracing (issue 10): the engine emits the periodic middle of a schedule
-  as a `tf.while_loop` (walker.py, loops.py), so tracing should not grow
+* Tracing: the engine emits the periodic middle of a schedule
+  as a `tf.while_loop` (executor.py, loops.py), so tracing should not grow
   with M. Measured for the training step the trainer runs (FPropLoss: the
   loss in the last stage; GPipe and 1F1B) and for FProp under an outer
   tape, K=2 (two logical devices of this process: tracing does not depend

@@ -1,4 +1,4 @@
-"""Issue 9: do K = 3 and K = 4 stage processes overlap, on a 2-core host?
+"""Do K = 3 and K = 4 stage processes overlap, on a 2-core host?
 
 K stage processes share this host's 2 cores (task i on core i mod 2, so
 adjacent stages sit on different cores and stages 0 and 2 share one). Their

@@ -1,4 +1,4 @@
-"""Issue 9's peer: torch.distributed.pipelining (gloo) beside our stage
+"""The peer: torch.distributed.pipelining (gloo) beside our stage
 processes, same network, K=2, M=8, in one run.
 
 Both sides: L × FC(W→W, ReLU), square loss ÷ batch, SGD, no recompute

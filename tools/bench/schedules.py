@@ -1,4 +1,4 @@
-"""Issue 10: what the schedule costs in activation memory and in step time.
+"""What the schedule costs in activation memory and in step time.
 
 Memory. At K=2, one stage process per stage, recompute off: GPipe runs all
 M forwards before any backward, so each stage holds M micro-batches of

@@ -18,24 +18,26 @@ from bench import schedules
 from bench import slices
 from bench import table1
 from bench import timeline_bench
+from bench import tracing
 
 # name: (title, module with run(args) and render(section)).
 _SECTIONS = {
-    'efficiency': ('Issue 9 — efficiency of K=2 stage processes, and data '
-                   'parallelism (GPipe Table 2)', efficiency),
-    'overlap': ('Issue 9 — overlap of K=3 and K=4 stage processes', overlap),
-    'table1': ('Issue 9 — largest trainable model per memory budget, '
-               'measured (GPipe Table 1)', table1),
-    'peer': ('Issue 9 — peer: torch.distributed.pipelining', peer),
-    'slices': ('Issue 9 — stage processes: the compute threads\' scheduler '
-               'slice', slices),
-    'schedules': ('Issue 10 — schedules: activation memory and step time '
-                  '(1F1B vs GPipe)', schedules),
-    'fidelity': ('Issue 10 — simulator fidelity', fidelity),
-    'partition': ('Issue 10 — profile-driven partitioning', partition_bench),
-    'overheads': ('Issue 10 — overheads and tracing time', overheads),
-    'timeline': ('Issue 10 — timelines of one step per schedule',
-                 timeline_bench),
+    'efficiency': ('Efficiency of K=2 stage processes, and data parallelism '
+                   '(GPipe Table 2)', efficiency),
+    'overlap': ('Overlap of K=3 and K=4 stage processes', overlap),
+    'table1': ('Largest trainable model per memory budget, measured (GPipe '
+               'Table 1)', table1),
+    'peer': ('Beside torch.distributed.pipelining', peer),
+    'slices': ('Stage processes: the compute threads\' scheduler slice',
+               slices),
+    'schedules': ('Schedules: activation memory and step time (1F1B vs '
+                  'GPipe)', schedules),
+    'fidelity': ('Simulator fidelity', fidelity),
+    'partition': ('Profile-driven partitioning', partition_bench),
+    'overheads': ('Overheads and tracing time in one process', overheads),
+    'tracing': ('Tracing and graph size of stage processes as M grows',
+                tracing),
+    'timeline': ('Timelines of one step per schedule', timeline_bench),
 }
 NAMES = tuple(_SECTIONS)
 TITLES = tuple(title for title, _ in _SECTIONS.values())

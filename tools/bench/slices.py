@@ -1,4 +1,4 @@
-"""Issue 9: what the compute threads' short scheduler slice buys.
+"""What the compute threads' short scheduler slice buys.
 
 `--compute_slice_us=100` gives TensorFlow's compute threads of a stage
 process a 100 µs slice (`processes.shorten_slices`; off by default): a

@@ -1,4 +1,4 @@
-"""Issue 9: GPipe's Table 1, measured — the largest model per memory budget.
+"""GPipe's Table 1, measured — the largest model per memory budget.
 
 Every process gets the same budget, enforced by TensorFlow itself:
 `TF_CPU_BFC_MEM_LIMIT_IN_MB` caps the CPU BFC allocator (which benchmark.py

@@ -1,4 +1,4 @@
-"""Issue 10's picture: one step of each schedule on 2 stage processes.
+"""The timeline picture: one step of each schedule on 2 stage processes.
 
 GPipe, 1F1B and interleaved 1F1B (v=2 stages per process) run the same
 network at K=2, M=8, recompute off, in one run of two stage processes. For

@@ -1,33 +1,39 @@
-"""The ops of one stage: forward (F), and recompute + backward (R, B).
+"""One stage of a step: what its actions compute, and what it holds.
 
-The engine (`engine.py`) emits these, one per (op, micro-batch), in the
-order a schedule gives; this module says what one op computes. Each detail
-below was a silent failure when missing:
+`Stage` is what the engine is given: a composite stage's `fprop`, weights
+and device. For one step, `StageBodies` traces what each action computes —
+F, and R+B fused — once, and calls it per micro-batch; `StageState` is the
+stage's part of the step: the values its actions made (saved inputs,
+outputs, input gradients, tapes) by (family, micro-batch), its accumulated
+gradients and its statistics. The executor (`executor.py`) asks it to run
+one action at a time; a loop gives each stage a fresh `StageState` whose
+missing values come from the loop's carried state.
+
+Details, each a silent failure when missing:
 
 * A micro-batch that recomputes runs F and R+B as `tf.function`s traced
   once and called per micro-batch, so tracing costs O(stages), not
-  O(stages × M). One that keeps its activations (no R: the policy, or an R
-  that would directly follow its F) runs inline under a tape that its B
-  reuses: the backward needs the forward's tape.
-* Order on a device is a *data* dependency: the previous op's outputs are an
-  input of the next call (`after`), used as a control dependency inside it.
-  TF drops control dependencies on the call of an inlined function, which let
-  the executor run micro-batches out of order (peak memory ∝ M), and on TF
-  worker processes a control-dependency chain outside the calls kept stage
-  k+1 from starting before stage k had finished.
-* R's input is an identity that waits for the incoming gradient. Otherwise
-  Grappler's common-subexpression elimination merges the recompute with the
-  forward and the activations stay alive for the whole step.
+  O(stages × M). One that keeps its activations (no R) runs F inline under
+  a tape that its B reuses.
+* Order on a device is a data dependency: the previous action's outputs
+  are an input of the next call (`after`), waited on inside it
+  (`dependency.chained`); R's input waits for the incoming gradient.
 * A called function's ops do not inherit the caller's device scope: left
   unpinned they ran on the client, so every body pins itself.
-* Gradients of theta are accumulated inside the traced backward (`acc` in,
-  `acc + dtheta` out): the outer graph then does not grow by one add per
+* Gradients of theta accumulate inside the traced backward (`acc` in,
+  `acc + dtheta` out): the outer graph does not grow by one add per
   variable and micro-batch.
 * Statistics (BatchNorm's sums) are collected in F only; R runs with no
   collector, so nothing is counted twice.
+* Bodies are called, not inlined, when one process runs every stage
+  (`_noinline`): inlined, a K=2 step of 12 Transformer layers took 60 s
+  instead of 8 s to start at M=32 (a copy of F and R+B per micro-batch).
+  A stage process (one stage per process) inlines them: a call hands over
+  its outputs only once all exist and crosses inter-op threads, and there
+  the copies cost less than the calls (docs/benchmarks.md).
 
-Timing is a wrapper: `Clock` brackets a piece of an op with `tf.timestamp()`
-when a timeline is recorded and is the identity otherwise.
+Timing is a wrapper: `Clock` brackets a piece of an action with
+`tf.timestamp()` when a timeline is recorded and is the identity otherwise.
 """
 
 from __future__ import annotations
@@ -38,7 +44,7 @@ from typing import Any, Callable, Sequence
 import tensorflow as tf
 
 from lingvo_pipe.core.fprop_context import StatsCollector
-from lingvo_pipe.pipeline import collective
+from lingvo_pipe.pipeline import dependency
 
 StageFn = Callable[..., tuple[Any, ...]]
 
@@ -54,7 +60,7 @@ class Stage:
   fprop: StageFn
   theta: Any
   device: str
-  inline: bool = False  # TF inlines each call of its bodies (StageOps).
+  inline: bool = False  # TF inlines each call of its bodies (StageBodies).
 
 
 def differentiable(x: Any) -> bool:
@@ -66,15 +72,20 @@ def float_leaves(nest: Any) -> list[tf.Tensor]:
   return [x for x in tf.nest.flatten(nest) if differentiable(x)]
 
 
-def chained(x: Any, after: Sequence[tf.Tensor]) -> Any:
-  """`x` (a nest) behind identities that wait for `after`."""
-  with tf.control_dependencies(list(after)):
-    return tf.nest.map_structure(
-        lambda t: t if t is None else tf.identity(t), x)
+def leaves(nest: Any) -> list[tf.Tensor]:
+  return [t for t in tf.nest.flatten(nest) if t is not None]
+
+
+def pack(structure: Any, tensors: Sequence[Any]) -> Any:
+  """Inverse of `leaves`: `structure` with its non-None leaves replaced."""
+  it = iter(tensors)
+  return tf.nest.pack_sequence_as(
+      structure, [None if t is None else next(it)
+                  for t in tf.nest.flatten(structure)])
 
 
 class Clock:
-  """Stamps the start and end of each piece of an op, if `on`."""
+  """Stamps the start and end of each piece of an action, if `on`."""
 
   def __init__(self, on: bool, device: str | None = None,
                in_body: bool = False) -> None:
@@ -99,23 +110,19 @@ class Clock:
     return result, [start, self._stamp(list(outputs(result)))]
 
   def _stamp(self, after: list[tf.Tensor]) -> tf.Tensor:
-    """`tf.timestamp()` once every tensor in `after` exists.
-
-    In a traced stage body a control edge does it: an extra function call
-    there is one more hand-off between inter-op threads, and with one core
-    per stage process each hand-off waits for a scheduler slice; as nested
-    calls the stamps slowed a recorded 1F1B step (K=2, M=16) by ~25%. In
-    the outer graph each stamp waits by data (collective.made_after says
-    why).
-    """
+    """`tf.timestamp()` once every tensor in `after` exists: by a control
+    edge in a traced body (one more call there is one more hand-off
+    between inter-op threads), by data in the outer graph
+    (`dependency.made_after`: Grappler dropped control edges there)."""
     if self.in_body and not tf.executing_eagerly():
       with tf.device(self.device), tf.control_dependencies(after):
         return tf.timestamp()
-    return collective.made_after(self.device, after, tf.timestamp)
+    return dependency.made_after(self.device, after, tf.timestamp)
 
 
-class StageOps:
-  """F and R+B of one stage, each a traced body called per micro-batch."""
+class StageBodies:
+  """F and R+B of one stage, each traced once and called per micro-batch;
+  kept F and B run inline (the tape cannot cross a call)."""
 
   def __init__(self, stage: Stage, scope: Callable[..., Any],
                clock: Clock) -> None:
@@ -129,15 +136,7 @@ class StageOps:
     self.clock = clock.on_device(stage.device)  # Inline ops.
     self.body_clock = clock.on_device(stage.device, in_body=True)
     # Eagerly (debugging, tests) the bodies run op by op: tracing them per
-    # call would only add time. Traced, each body is traced once however
-    # many calls. '_noinline' keeps each call a call, so the graph TF
-    # optimises stays O(stages) in size: inlined, a K=2 step of 12 ×
-    # Transformer layer took 60 s instead of 8 s to start at M=32 (a copy of
-    # F and of R+B per micro-batch). But a
-    # call hands over its outputs only once all of them exist (dx waits for
-    # the weight gradients), and each call crosses inter-op threads: on
-    # stage processes, one core each, inlined bodies made K=2 steps 4–7%
-    # (GPipe) and 3–14% (1F1B) faster (16 × FC 512, M=8 and 16).
+    # call would only add time.
     wrap = ((lambda f: f) if tf.executing_eagerly() else (
         lambda f: tf.function(f, autograph=False) if stage.inline else
         tf.function(f, autograph=False,
@@ -157,7 +156,7 @@ class StageOps:
               ) -> tuple[Any, dict[str, Any], list[tf.Tensor]]:
     """F of a recomputing stage: outputs, statistics, stamps."""
     with tf.device(self.stage.device):
-      x = chained(x, after)
+      x = dependency.chained(x, after)
       collector = StatsCollector()
       y, times = self.body_clock(
           lambda: self._run(theta, x, side, m, step, collector),
@@ -170,8 +169,8 @@ class StageOps:
     """R+B: dx (float leaves of x), acc + dtheta, stamps (R, then B)."""
     with tf.device(self.stage.device):
       # The recompute waits for the incoming gradient (else Grappler merges
-      # it with the forward) and for this device's previous op (order).
-      x = chained(x, list(dys) + list(after))
+      # it with the forward) and for this device's previous action.
+      x = dependency.chained(x, list(dys) + list(after))
       x_float = float_leaves(x)
 
       def _recompute():
@@ -199,7 +198,7 @@ class StageOps:
     statistics, stamps and the tape.
     """
     with tf.device(self.stage.device):
-      x = chained(x, after)
+      x = dependency.chained(x, after)
       collector = StatsCollector()
 
       def _forward():
@@ -228,3 +227,52 @@ class StageOps:
       if acc is not None:
         dtheta = tf.nest.map_structure(tf.add, acc, dtheta)
       return dx, dtheta, times
+
+
+@dataclasses.dataclass
+class StageState:
+  """A stage's part of one step: what its actions made, and its sums.
+
+  `values` holds the stage's keyed values, (family, micro-batch) → value
+  (`actions.py` names the families). A value it lacks is asked of
+  `resolve(family, m)`: in a loop body, the loop's carried state; after a
+  loop, the arrays the loop wrote.
+  """
+  bodies: StageBodies
+  theta: Any
+  values: dict[tuple[str, int], Any] = dataclasses.field(default_factory=dict)
+  acc: Any = None  # Σ dθ over the micro-batches done; None before any.
+  stats: dict[str, Any] = dataclasses.field(default_factory=dict)
+  resolve: Callable[[str, int], Any] | None = None
+
+  @property
+  def device(self) -> str:
+    return self.bodies.stage.device
+
+  def get(self, family: str, m: int) -> Any:
+    if (family, m) not in self.values:
+      if self.resolve is None:
+        raise KeyError((family, m))
+      self.values[(family, m)] = self.resolve(family, m)
+    return self.values[(family, m)]
+
+  def fork(self, resolve: Callable[[str, int], Any], acc: Any,
+           stats: dict[str, Any]) -> 'StageState':
+    """A fresh state of the same stage (a loop body's), carrying `acc`
+    and `stats`, its values resolved by `resolve`."""
+    return StageState(self.bodies, self.theta, {}, acc, dict(stats), resolve)
+
+  def merge_stats(self, stats: dict[str, Any]) -> None:
+    with tf.device(self.device):
+      collector = StatsCollector(self.stats)
+      collector.merge(stats)
+      self.stats = collector.stats
+
+  def first_acc(self) -> Any:
+    """The accumulator before the first backward: zeros (hidden from
+    constant folding: `dependency.opaque`)."""
+    if self.acc is not None:
+      return self.acc
+    with tf.device(self.device):
+      return tf.nest.map_structure(
+          lambda t: dependency.opaque(tf.zeros_like(t)), self.theta)
