@@ -6,8 +6,9 @@
 
 Sub-commands (sections.py), one per topic: stage processes and data
 parallelism (efficiency, overlap, table1, peer, slices); schedules and
-their cost (schedules, fidelity, partition, overheads, tracing, timeline).
-Each writes
+their cost (schedules, fidelity, partition, overheads, tracing, timeline);
+Keras models (keras: a wrapped Keras CNN vs the same network in
+lingvo_pipe layers). Each writes
 its section into docs/benchmarks.json and re-renders docs/benchmarks.md
 (plus PNGs) from it. `all` runs each sub-command in its own child process,
 so the allocator and TF runtime of one section cannot leak into the next;

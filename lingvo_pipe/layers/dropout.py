@@ -83,6 +83,27 @@ def apply_dropout(x: tf.Tensor, rate: float, seed_key: str,
         f'{seed_key}: dropout rate must be in [0, 1), got {rate}; set the '
         'layer\'s dropout rate param to the fraction of units to drop.')
   x = tf.convert_to_tensor(x)
+  uniform = example_noise(x, seed_key, tf.random.stateless_uniform,
+                          noise_shape_fn)
+  # Drawn in float32 whatever x's dtype, so the mask is the same in bfloat16.
+  keep = tf.cast(uniform >= rate, x.dtype)
+  return x * keep * tf.cast(1.0 / (1.0 - rate), x.dtype)
+
+
+Sampler = Callable[[Sequence[Any], tf.Tensor], tf.Tensor]
+
+
+def example_noise(x: tf.Tensor, seed_key: str, sampler: Sampler,
+                  noise_shape_fn: NoiseShapeFn | None = None) -> tf.Tensor:
+  """Noise for this call's examples: a pure function of (key, step, example).
+
+  Draws `sampler(shape, seed)` (float32; e.g. `tf.random.stateless_uniform`
+  or `stateless_normal`) for the whole global batch, one row per example,
+  and returns the rows of this call's examples, shaped like the noise shape
+  (see `apply_dropout`) with the batch on `ctx.batch_axis`. Noise layers
+  other than dropout (Gaussian noise) draw through it too.
+  """
+  ctx = fprop_context.current()
   shape = _dim_list(x)
   noise_shape = list(noise_shape_fn(shape) if noise_shape_fn else shape)
   seed = mask_seed(seed_key, ctx.step)
@@ -92,24 +113,20 @@ def apply_dropout(x: tf.Tensor, rate: float, seed_key: str,
         f'{seed_key}: the context says the batch is on axis {axis} but x has '
         f'shape {shape}; set the pipeline\'s batch_dim to the batch axis.')
   if _shared_over_batch(shape[axis], noise_shape[axis]):
-    uniform = tf.random.stateless_uniform(noise_shape, seed)
-  else:
-    # [B_global, ...]: one mask row per example of the global batch, batch
-    # first (whatever the layout); then this call's rows, moved back to the
-    # batch axis.
-    total = (noise_shape[axis] if ctx.global_batch_size is None else
-             ctx.global_batch_size)
-    rest = noise_shape[:axis] + noise_shape[axis + 1:]
-    uniform = tf.random.stateless_uniform([total] + rest, seed)
-    start = tf.cast(ctx.first_example, tf.int32)
-    uniform = uniform[start:start + noise_shape[axis]]
-    if axis:
-      perm = list(range(1, axis + 1)) + [0] + list(range(axis + 1,
-                                                         len(shape)))
-      uniform = tf.transpose(uniform, perm)
-  # Drawn in float32 whatever x's dtype, so the mask is the same in bfloat16.
-  keep = tf.cast(uniform >= rate, x.dtype)
-  return x * keep * tf.cast(1.0 / (1.0 - rate), x.dtype)
+    return sampler(noise_shape, seed)
+  # [B_global, ...]: one noise row per example of the global batch, batch
+  # first (whatever the layout); then this call's rows, moved back to the
+  # batch axis.
+  total = (noise_shape[axis] if ctx.global_batch_size is None else
+           ctx.global_batch_size)
+  rest = noise_shape[:axis] + noise_shape[axis + 1:]
+  noise = sampler([total] + rest, seed)
+  start = tf.cast(ctx.first_example, tf.int32)
+  noise = noise[start:start + noise_shape[axis]]
+  if axis:
+    perm = list(range(1, axis + 1)) + [0] + list(range(axis + 1, len(shape)))
+    noise = tf.transpose(noise, perm)
+  return noise
 
 
 def _shared_over_batch(batch: Any, noise_batch: Any) -> bool:

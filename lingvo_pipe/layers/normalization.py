@@ -105,7 +105,7 @@ class BatchNormLayer(base_layer.BaseLayer):
       mean, variance = tf.nn.moments(x, axes)
       if ctx.stats is not None:
         self.AddStats(tf.nest.map_structure(
-            tf.stop_gradient, _sufficient_stats(x, p.stats_dtype)))
+            tf.stop_gradient, sufficient_stats(x, p.stats_dtype)))
     else:
       mean, variance = theta.moving_mean, theta.moving_variance
     mean, variance = tf.cast(mean, dtype), tf.cast(variance, dtype)
@@ -122,14 +122,8 @@ class BatchNormLayer(base_layer.BaseLayer):
     Returns:
       The two assign ops (the updated variables in eager mode).
     """
-    mean, variance = _mean_variance(stats.count, stats.sum, stats.sum_sq)
-    decay = self.params.decay
-    ops = []
-    for var, batch in ((self.vars.moving_mean, mean),
-                       (self.vars.moving_variance, variance)):
-      batch = tf.cast(batch, var.dtype)
-      ops.append(var.assign(decay * var + (1.0 - decay) * batch))
-    return ops
+    return move_averages(stats, self.vars.moving_mean,
+                         self.vars.moving_variance, self.params.decay)
 
   @classmethod
   def FPropMeta(cls, p: Params, x: tf.TensorShape) -> base_layer.LayerMeta:
@@ -149,19 +143,38 @@ def _check_batch_norm_params(where: str, p: Params) -> None:
         f'{where}: decay must be in [0, 1), got {p.decay}; e.g. 0.99.')
 
 
-def _sufficient_stats(x: tf.Tensor, dtype: tf.DType) -> NestedMap:
-  """count (scalar), Σx and Σx² ([C]) over all dims but the last."""
+def sufficient_stats(x: tf.Tensor, dtype: tf.DType,
+                     axis: int = -1) -> NestedMap:
+  """count (scalar), Σx and Σx² ([C]) over all dims but `axis` (the
+  channels)."""
   xs = tf.cast(x, dtype)
-  axes = list(range(x.shape.rank - 1))
-  count = tf.cast(tf.reduce_prod(tf.shape(x)[:-1]), dtype)
+  axis %= x.shape.rank
+  axes = [i for i in range(x.shape.rank) if i != axis]
+  count = tf.cast(tf.size(x, out_type=tf.int64) //
+                  tf.shape(x, out_type=tf.int64)[axis], dtype)
   return NestedMap(count=count, sum=tf.reduce_sum(xs, axes),
                    sum_sq=tf.reduce_sum(tf.square(xs), axes))
 
 
-def _mean_variance(count: tf.Tensor, total: tf.Tensor,
-                   total_sq: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+def mean_variance(count: tf.Tensor, total: tf.Tensor,
+                  total_sq: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+  """Mean and population variance from count, Σx and Σx²."""
   mean = total / count
   return mean, tf.maximum(total_sq / count - tf.square(mean), 0.0)
+
+
+def move_averages(stats: NestedMap, moving_mean: tf.Variable,
+                  moving_variance: tf.Variable,
+                  decay: float) -> list[tf.Operation]:
+  """moving = decay · moving + (1 − decay) · batch, for the mean and the
+  variance of the step's summed `stats` (count, sum, sum_sq); the two
+  assign ops (the updated variables in eager mode)."""
+  mean, variance = mean_variance(stats.count, stats.sum, stats.sum_sq)
+  ops = []
+  for var, batch in ((moving_mean, mean), (moving_variance, variance)):
+    batch = tf.cast(batch, var.dtype)
+    ops.append(var.assign(decay * var + (1.0 - decay) * batch))
+  return ops
 
 
 class LayerNormLayer(base_layer.BaseLayer):

@@ -12,6 +12,12 @@ AmoebaNetGPipe — the default, for 2 CPU cores (2 logical devices = 2 stages):
   (90.5 % after 716 CPU-s vs 89.9 % after 862 CPU-s with 256 × 400
   steps); D = 16, not 8 (8 reached 88.1 % with 256 × 450 steps).
 
+KerasCnn — a Keras Sequential CNN, pipelined: ((conv 3×3 → BatchNorm) ×
+  2 → max-pool) × 2 (32, then 64 filters), dropout 0.3, dense; K = 2,
+  M = 4 of 32, cut by FPropMeta flops. The network is written in Keras and handed over by
+  `lingvo_pipe.keras.from_keras` (README, "Pipelining a Keras model");
+  BatchNorm momentum 0.9 for the reason AmoebaNetGPipe gives.
+
 AmoebaNetD18x256 — paper-shaped, for 8 accelerators: AmoebaNet-D(18, 256)
   with the ImageNet stem on 224×224 inputs (Fashion-MNIST upsampled),
   K = 8, M = 32, batch 256; GPipe's recipe: RMSProp (decay 0.9, momentum
@@ -75,6 +81,54 @@ class AmoebaNetGPipe(base_model.SingleTaskModelParams):
         max_steps=self.MAX_STEPS,
         save_interval_steps=100,
         summary_interval_steps=50)
+    return p
+
+
+def keras_cnn(image_size: int = 28, filters: tuple[int, int] = (32, 64)):
+  """The Keras model of KerasCnn (tools/bench/keras_bench.py shrinks it).
+
+  Its layers are named: the names key the checkpoint, and Keras's
+  automatic names count up per process.
+  """
+  import keras  # pylint: disable=g-import-not-at-top
+  layers = []
+  for block, width in enumerate(filters):
+    for i in (2 * block, 2 * block + 1):
+      layers += [keras.layers.Conv2D(width, 3, padding='same',
+                                     activation='relu', name=f'conv{i}'),
+                 keras.layers.BatchNormalization(momentum=0.9, name=f'bn{i}')]
+    layers.append(keras.layers.MaxPooling2D(name=f'pool{block}'))
+  return keras.Sequential(
+      [keras.Input((image_size, image_size, 1))] + layers + [
+          keras.layers.Flatten(name='flatten'),
+          keras.layers.Dropout(0.3, name='dropout'),
+          keras.layers.Dense(10, name='logits')], name='keras_cnn')
+
+
+@model_registry.RegisterSingleTaskModel
+class KerasCnn(base_model.SingleTaskModelParams):
+  """A Keras Sequential CNN, 2 stages × 4 micro-batches."""
+
+  BATCH_SIZE = 128
+
+  def Train(self):
+    return _input('train', self.BATCH_SIZE)
+
+  def Test(self):
+    return _input('test', 1000)
+
+  def Task(self):
+    from lingvo_pipe import keras as lp_keras  # pylint: disable=g-import-not-at-top
+    p = model.LayerListClassifierTask.Params().Set(name='fashion_mnist')
+    # weights=False: every process draws the same initial weights (seeded by
+    # layer path), as a trainer, its evaler and stage processes must.
+    p.pipeline.Set(name='keras_cnn',
+                   layers=lp_keras.from_keras(keras_cnn(), weights=False),
+                   num_stages=2, num_micro_batches=4,
+                   input_shapes=[[self.BATCH_SIZE, 28, 28, 1]])
+    p.train.Set(optimizer='adam', learning_rate=1e-3, lr_schedule='cosine',
+                lr_warmup_steps=50, max_steps=800, save_interval_steps=100,
+                summary_interval_steps=50)
     return p
 
 

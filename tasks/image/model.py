@@ -77,6 +77,25 @@ class ImageClassifierTask(pipelined_task.PipelinedTask):
     return AccuracyAggregator()
 
 
+class LayerListClassifierTask(ImageClassifierTask):
+  """The image classifier of any layer list: task.pipeline.layers as given
+  (a Keras model's, from `lingvo_pipe.keras.from_keras`), no AmoebaNet."""
+
+  @classmethod
+  def Params(cls) -> InstantiableParams:
+    p = super().Params()
+    p.Delete('network')
+    return p
+
+  @classmethod
+  def PipelineParams(cls, p: Params, where: str = '') -> InstantiableParams:
+    if not p.pipeline.layers:
+      raise base_layer.LayerError(
+          f'{where}: task.pipeline.layers is empty; this task classifies '
+          'with the layers given there (e.g. from_keras(model)).')
+    return pipelined_task.PipelinedTask.PipelineParams(p, where)
+
+
 def _correct(logits: tf.Tensor, labels: tf.Tensor) -> tf.Tensor:
   """float32 [N]: 1 where the top-scoring class is the label."""
   predicted = tf.argmax(logits, axis=-1, output_type=tf.int32)

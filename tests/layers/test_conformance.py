@@ -5,8 +5,8 @@ layer, the pipeline trusts FProp to be stateless (its recompute pass must
 reproduce the forward pass), and the trainer trusts Params to round-trip
 through text. A layer that breaks any of these fails somewhere far away, so
 this suite checks them for every `BaseLayer` subclass defined in any module
-of `lingvo_pipe.layers`, on the samples in `samples_basic.py` and
-`samples_seq.py`. A layer without a sample fails `test_every_layer_has_a_
+of `lingvo_pipe.layers`, on the samples in `samples_basic.py`,
+`samples_seq.py` and `samples_keras.py` (wrapped Keras layers). A layer without a sample fails `test_every_layer_has_a_
 sample`, naming the class.
 """
 
@@ -26,7 +26,7 @@ from lingvo_pipe.core import fprop_context
 
 sys.path.insert(0, os.path.dirname(__file__))  # For the samples modules.
 
-_SAMPLE_MODULES = ('samples_basic', 'samples_seq')
+_SAMPLE_MODULES = ('samples_basic', 'samples_seq', 'samples_keras')
 
 
 def discover_layers():

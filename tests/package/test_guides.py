@@ -1,9 +1,10 @@
 """The guides' code runs as printed.
 
-docs/custom_layer.md and docs/porting_from_lingvo.md show whole files: a
-```python block whose first line is `# <name>.py` is that file. They are
-written into a temporary directory, imported from there, and every
-`test_*` function in them runs, so a guide cannot drift from the API.
+docs/custom_layer.md, docs/porting_from_lingvo.md and docs/keras_users.md
+show whole files: a ```python block whose first line is `# <name>.py` is
+that file. They are written into a temporary directory, imported from
+there, and every `test_*` function in them runs, so a guide cannot drift
+from the API. README's "Pipelining a Keras model" block runs as printed.
 """
 
 import importlib
@@ -12,6 +13,7 @@ import pathlib
 import re
 import sys
 
+import numpy as np
 import pytest
 
 _DOCS = pathlib.Path(__file__).resolve().parents[2] / 'docs'
@@ -82,3 +84,30 @@ def test_porting_guide(guide_dir):
     assert 'stage' in task.Inspect()
   finally:
     model_registry._MODELS.pop('lenet5.LeNet5', None)  # pylint: disable=protected-access
+
+
+def test_readme_keras_example(capsys):
+  text = (_DOCS.parent / 'README.md').read_text(encoding='utf-8')
+  m = re.search(r'<!-- keras example[^>]*-->\s*```python\n(.*?)```', text,
+                re.S)
+  assert m, 'README lost its "Pipelining a Keras model" example'
+  namespace = {'__name__': 'readme_keras_example'}
+  code = compile(m.group(1), 'README.md (keras example)', 'exec')
+  exec(code, namespace)  # pylint: disable=exec-used
+  net, model = namespace['net'], namespace['model']
+  assert net.plan.num_stages == 2 and 'stage' in capsys.readouterr().out
+  for layer in net.children.layers:  # The trained weights are in Keras.
+    target = model.get_layer(layer.keras_layer.name)
+    for w, key in zip(target.weights, layer.weight_keys):
+      np.testing.assert_array_equal(w.value, layer.theta[key])
+
+
+def test_keras_guide(guide_dir):
+  files = guide_dir('keras_users.md')
+  assert set(files) == {'keras_mlp', 'test_keras_mlp'}
+  from lingvo_pipe.core import model_registry  # pylint: disable=g-import-not-at-top
+  try:
+    ran = _run_tests_of('test_keras_mlp')
+  finally:
+    model_registry._MODELS.pop('keras_mlp.KerasMlp', None)  # pylint: disable=protected-access
+  assert len(ran) == 3

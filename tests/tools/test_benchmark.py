@@ -63,6 +63,8 @@ _EXPECTED = {
                   'tracing time M=64 ÷ M=8, FPropLoss 1f1b'],
     'timeline': ['timeline_k2_m8.png', 'timeline_k2_m8.trace.json',
                  'most micro-batches held per stage'],
+    'keras': ['| network | first call (s) | step (s) |', '| wrapped Keras |',
+              'wrapped Keras ÷ lingvo_pipe layers, step time'],
 }
 _FILES = {'table1': ['table1.png'], 'schedules': ['schedules_memory.png'],
           'fidelity': ['fidelity.png'],

@@ -8,6 +8,7 @@ from typing import Any
 from bench import common
 from bench import efficiency
 from bench import fidelity
+from bench import keras_bench
 from bench import overheads
 from bench import overlap
 from bench import partition_bench
@@ -38,6 +39,8 @@ _SECTIONS = {
     'tracing': ('Tracing and graph size of stage processes as M grows',
                 tracing),
     'timeline': ('Timelines of one step per schedule', timeline_bench),
+    'keras': ('A wrapped Keras CNN vs the same network in lingvo_pipe '
+              'layers', keras_bench),
 }
 NAMES = tuple(_SECTIONS)
 TITLES = tuple(title for title, _ in _SECTIONS.values())

@@ -113,6 +113,9 @@ _OVERRIDES = {
         'task.pipeline.input_shapes: [[8, 28, 28, 1]]; '
         'task.pipeline.num_micro_batches: 2',
     # Keeps K = 8 and the ImageNet stem; 8 stages on the 4 test devices.
+    'image.fashion_mnist.KerasCnn':
+        'input.batch_size: 8; task.pipeline.input_shapes: [[8, 28, 28, 1]]; '
+        'task.pipeline.num_micro_batches: 2',
     'image.fashion_mnist.AmoebaNetD18x256':
         f'{_TINY_NET}; task.network.filters: 8; input.batch_size: 8; '
         'input.image_size: 16; task.network.image_shape: (16, 16, 1); '
