@@ -155,8 +155,6 @@ def validate_train_params(params: Params) -> None:
   train = params.task.train
   optimizer.validate(train)
   learning_rate.validate(train)
-  if learning_rate.short_run_warning(train):  # A smoke run: no error.
-    logging.warning(learning_rate.short_run_warning(train))
   for key in ('max_steps', 'save_interval_steps', 'max_checkpoints_to_keep',
               'summary_interval_steps'):
     value = getattr(train, key)
@@ -169,6 +167,8 @@ def validate_train_params(params: Params) -> None:
     if not 0 <= value < math.inf:
       raise UserError(f'task.train.{key} must be finite and ≥ 0 (0 turns it '
                       f'off), got {value}.')
+  if learning_rate.short_run_warning(train):  # A smoke run: no error.
+    logging.warning(learning_rate.short_run_warning(train))
 
 
 def set_devices(params: Params, devices_flag: str) -> None:

@@ -199,6 +199,13 @@ class Evaler:
           f'{os.path.join(self._logdir, checkpoints.STATE_FILE)}), so there '
           'is nothing to score; run the trainer first, or use '
           '--mode=continuous to wait for its checkpoints.')
+    if not checkpoints.exists(listed[-1]):
+      # The trainer deletes only older checkpoints: the newest, listed and
+      # missing, was never written here (a state file copied alone).
+      raise checkpoints.CheckpointError(
+          f'{listed[-1]} is the newest checkpoint listed in '
+          f'{os.path.join(self._logdir, checkpoints.STATE_FILE)}, but its '
+          f'files are missing; {checkpoints.state_fix(self._logdir)}')
     todo = self.unscored()
     if latest_only:
       todo = [c for c in todo if c == listed[-1]]

@@ -369,6 +369,12 @@ def _check_params_file(logdir: str, params: Params) -> None:
                             'use another --logdir')
   if old == params.ToText() or old == _with_old_run_length(params, old):
     return  # Same run, or the same run extended/shortened (max_steps).
+  trained = next((l.split(':', 1)[1].strip(' \'"') for l in old.splitlines()
+                  if l.startswith('model :')), params.model)
+  if trained != params.model and not _FORCE.value:  # Not a 170-line diff.
+    raise _cli.UserError(
+        f'{path} is a run of {trained}, not {params.model}; give '
+        f'--model={trained} to continue it, another --logdir, or --force.')
   diff = _cli.params_diff(old, params)
   if _FORCE.value:
     logging.warning('--force: replacing %s; differences:\n%s', path, diff)

@@ -227,6 +227,13 @@ _CASES = [
      'momentum is not in it'),
     ('eval_no_checkpoint_yet', 'evaler', ['--logdir={eval}'],
      'holds no checkpoint yet'),
+    # Found by probing (was a 170-line params diff; exit 0 with nothing
+    # scored after 'Skipping ckpt-90: deleted before it could be read').
+    ('resume_another_model', 'trainer',
+     ['--logdir={intact}', '--model=image.fashion_mnist.AmoebaNetGPipe'],
+     f'is a run of {br.MODEL}, not image.fashion_mnist.AmoebaNetGPipe'),
+    ('eval_dangling_state_file', 'evaler', ['--logdir={dangling_state}'],
+     'ckpt-90 is the newest checkpoint listed'),
 ]
 
 
@@ -249,6 +256,8 @@ _DAMAGE = {
                                                           1)),
     'foreign_type': ('params.txt', lambda b: b + (
         b'task.pipeline.layers[0].cls : type/lp_no_such_module.Layer\n')),
+    'dangling_state': ('checkpoint', lambda b: b.replace(b'ckpt-30',
+                                                         b'ckpt-90')),
     'intact': ('params.txt', lambda b: b),
     'no_params_txt': ('params.txt', lambda b: None),  # None: deleted.
 }
