@@ -24,6 +24,7 @@ from typing import Callable, Iterator
 
 from absl import app
 from absl import flags
+from absl import logging
 import tensorflow as tf
 
 from lingvo_pipe import _startup
@@ -51,9 +52,10 @@ class RunStopped(Exception):
 
 
 def flags_parser(program: str) -> Callable[[list[str]], list[str]]:
-  """An absl `app.run` flags parser: a malformed flag value or an unknown
-  flag is one stderr line and exit status 2, like every other bad input.
-  Once parsed, --verbosity sets how much TensorFlow logs."""
+  """An absl `app.run` flags parser: a malformed flag value, an unknown flag
+  or a positional argument (the binaries take none) is one stderr line and
+  exit status 2, like every other bad input, not absl's usage text of every
+  flag. Once parsed, --verbosity sets how much TensorFlow logs."""
 
   def _parse(argv: list[str]) -> list[str]:
     try:
@@ -63,10 +65,23 @@ def flags_parser(program: str) -> Callable[[list[str]], list[str]]:
       sys.stderr.write(f'{program}: error: {line}; see --helpfull for every '
                        'flag and its values.\n')
       sys.exit(2)
+    if len(rest) > 1:
+      sys.stderr.write(f'{program}: error: {positional_error(rest[1:])}\n')
+      sys.exit(2)
     _startup.configure_python_logging(flags.FLAGS.verbosity)
     return rest
 
   return _parse
+
+
+def positional_error(extra: list[str]) -> str:
+  """The one line for arguments that are no flag (the binaries take none)."""
+  shown = ' '.join(repr(a) for a in extra[:3]) + (' ...' if len(extra) > 3
+                                                  else '')
+  return (f'unexpected argument{"s" if len(extra) > 1 else ""} {shown}: every '
+          'setting is a --flag=value, and a value with spaces is quoted '
+          '(--model_params_override=\'task.train.learning_rate: 0.1\'); '
+          'see --helpfull.')
 
 
 def run_binary(main: Callable[[list[str]], None], program: str,
@@ -153,6 +168,8 @@ def validate_train_params(params: Params) -> None:
     if not 0 <= value < math.inf:
       raise UserError(f'task.train.{key} must be finite and ≥ 0 (0 turns it '
                       f'off), got {value}.')
+  if learning_rate.short_run_warning(train):  # A smoke run: no error.
+    logging.warning(learning_rate.short_run_warning(train))
 
 
 def set_devices(params: Params, devices_flag: str) -> None:

@@ -46,7 +46,6 @@ import json
 import os
 import time
 
-from absl import app
 from absl import flags
 from absl import logging
 import numpy as np
@@ -193,10 +192,23 @@ class Evaler:
                            sorted(record['metrics'].items())))
 
   def run_once(self, latest_only: bool) -> None:
+    listed = checkpoints.list_checkpoints(self._logdir)
+    if not listed:  # Not "nothing new": nothing at all.
+      raise _cli.UserError(
+          f'{self._logdir} holds no checkpoint yet (none is listed in '
+          f'{os.path.join(self._logdir, checkpoints.STATE_FILE)}), so there '
+          'is nothing to score; run the trainer first, or use '
+          '--mode=continuous to wait for its checkpoints.')
+    if not checkpoints.exists(listed[-1]):
+      # The trainer deletes only older checkpoints: the newest, listed and
+      # missing, was never written here (a state file copied alone).
+      raise checkpoints.CheckpointError(
+          f'{listed[-1]} is the newest checkpoint listed in '
+          f'{os.path.join(self._logdir, checkpoints.STATE_FILE)}, but its '
+          f'files are missing; {checkpoints.state_fix(self._logdir)}')
     todo = self.unscored()
     if latest_only:
-      listed = checkpoints.list_checkpoints(self._logdir)
-      todo = [c for c in todo if listed and c == listed[-1]]
+      todo = [c for c in todo if c == listed[-1]]
     if not todo:
       logging.info('Nothing new to score in %s.', self._logdir)
     for ckpt in todo:
@@ -273,8 +285,7 @@ def build_params(logdir: str, dataset: str) -> Params:
 
 
 def _main(argv: list[str]) -> None:
-  if len(argv) > 1:
-    raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
+  del argv  # The flags parser refuses positional arguments.
   with _cli.exit_on_user_error('evaler'):
     devices.configure_logical_cpus(_NUM_CPUS.value)  # Before any TF op.
     if not _LOGDIR.value:

@@ -237,12 +237,43 @@ def task_commands(worker: str, worker_flags: Sequence[str],
           for i in range(len(addresses))]
 
 
+def _refusal(message: str) -> int:
+  """Says why a flag or argument is refused (one line, as the binaries do);
+  returns the exit status, 2."""
+  _say(f'error: {" ".join(message.split())}')
+  return 2
+
+
+def _parse(argv: list[str]) -> list[str]:
+  """absl's parse, with a bad flag as one line (not absl's FATAL and exit 1)."""
+  try:
+    return flags.FLAGS(argv)
+  except flags.Error as e:
+    sys.exit(_refusal(f'{e}; see --helpfull.'))
+
+
+def stray_argument(worker_flags: Sequence[str]) -> str | None:
+  """The first argument that is neither a flag nor the value of the flag
+  before it (`--model m`): it would only make every task exit."""
+  for i, arg in enumerate(worker_flags):
+    before = worker_flags[i - 1] if i else ''
+    if not arg.startswith('-') and not (before.startswith('-') and
+                                        '=' not in before):
+      return arg
+  return None
+
+
 def main(argv: list[str]) -> None:
   worker_flags = argv[1:]
   k, r = _NUM_STAGES.value, _NUM_REPLICAS.value
   if k < 1 or r < 1:
-    sys.exit(f'lingvo_pipe.launch: error: --num_stages={k} and '
-             f'--num_replicas={r} must both be ≥ 1.')
+    sys.exit(_refusal(f'--num_stages={k} and --num_replicas={r} must both be '
+                      '≥ 1.'))
+  stray = stray_argument(worker_flags)
+  if stray is not None:
+    sys.exit(_refusal(f'unexpected argument {stray!r}: the tasks take '
+                      '--flag=value arguments after "--" (quote a value with '
+                      'spaces); see python -m lingvo_pipe.worker --helpfull.'))
   n = k * r
   host = _HOST.value
   held = [] if _BASE_PORT.value else reserve_ports(n)
@@ -270,7 +301,7 @@ def main(argv: list[str]) -> None:
 
 def run() -> None:
   """Console script `lingvo_pipe_launch`."""
-  app.run(main)
+  app.run(main, flags_parser=_parse)
 
 
 if __name__ == '__main__':

@@ -47,7 +47,6 @@ from lingvo_pipe import _cli
 import os
 import time
 
-from absl import app
 from absl import flags
 from absl import logging
 import tensorflow as tf
@@ -377,6 +376,12 @@ def _check_params_file(logdir: str, params: Params) -> None:
                             'use another --logdir')
   if old == params.ToText() or old == _with_old_run_length(params, old):
     return  # Same run, or the same run extended/shortened (max_steps).
+  trained = next((l.split(':', 1)[1].strip(' \'"') for l in old.splitlines()
+                  if l.startswith('model :')), params.model)
+  if trained != params.model and not _FORCE.value:  # Not a 170-line diff.
+    raise _cli.UserError(
+        f'{path} is a run of {trained}, not {params.model}; give '
+        f'--model={trained} to continue it, another --logdir, or --force.')
   diff = _cli.params_diff(old, params)
   if _FORCE.value:
     logging.warning('--force: replacing %s; differences:\n%s', path, diff)
@@ -423,8 +428,7 @@ def _prepare(params: Params, logdir: str):
 
 
 def _main(argv: list[str]) -> None:
-  if len(argv) > 1:
-    raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
+  del argv  # The flags parser refuses positional arguments.
   with _cli.exit_on_user_error('trainer'):
     cluster = processes.cluster_from(flags.FLAGS.cluster_spec,
                                      flags.FLAGS.job, flags.FLAGS.task)

@@ -48,6 +48,7 @@ import contextlib
 import dataclasses
 import hashlib
 import math
+import numbers
 import re
 import threading
 from typing import Any, Callable, Iterator, Sequence
@@ -180,8 +181,12 @@ def _elements(shape: tf.TensorShape) -> int:
 
 
 def as_shape(x: Any) -> Any:
-  """Converts a shape, list of ints or nested structure of them to TensorShapes."""
-  if isinstance(x, tf.TensorShape):
+  """Converts a shape, list of ints or nested structure of them to TensorShapes.
+
+  None stays None: a None leaf of an input nest (Lingvo's
+  `NestedMap(vec=x, paddings=None)`) is no tensor, and has no shape.
+  """
+  if x is None or isinstance(x, tf.TensorShape):
     return x
   if isinstance(x, (list, tuple)) and all(
       isinstance(d, (int, type(None))) for d in x):
@@ -232,7 +237,8 @@ class LayerMeta:
       if len(dtypes) != len(leaves):
         raise LayerError(f'{p.name}: FPropMeta gave {len(dtypes)} output '
                          f'dtypes for {len(leaves)} outputs {shapes}.')
-    out_bytes = sum(_elements(s) * d.size for s, d in zip(leaves, dtypes))
+    out_bytes = sum(_elements(s) * d.size for s, d in zip(leaves, dtypes)
+                    if s is not None)
     return LayerMeta(
         flops=int(flops),
         out_shapes=shapes,
@@ -281,9 +287,10 @@ class BaseLayer(tf.Module):
              'parent\'s path + "." + name. Defaults to the class name.')
     p.Define('dtype', tf.float32, 'Dtype of the variables.')
     p.Define('fprop_dtype', None, 'Dtype of the computation; None = the '
-             'parent layer\'s fprop_dtype, else dtype.')
+             'parent layer\'s fprop_dtype, else dtype.', value_type=tf.DType)
     p.Define('random_seed', None, 'Seed of the initial values; None inherits '
-             f'the parent\'s ({DEFAULT_RANDOM_SEED} at the root).')
+             f'the parent\'s ({DEFAULT_RANDOM_SEED} at the root).',
+             value_type=int)
     p.Define('params_init', WeightInit.Xavier(1.0), 'Default initialiser of '
              'this layer\'s weights.')
     return p
@@ -302,6 +309,9 @@ class BaseLayer(tf.Module):
     seed = params.random_seed
     if seed is None:
       seed = parent.random_seed if parent is not None else DEFAULT_RANDOM_SEED
+    if not isinstance(seed, numbers.Integral) or isinstance(seed, bool):
+      raise LayerError(f'{self._path}: random_seed={seed!r}; give an int '
+                       '(or None to inherit the parent\'s).')
     self._random_seed = int(seed)
     self._private_vars = NestedMap()
     self._private_children = NestedMap()

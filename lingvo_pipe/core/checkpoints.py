@@ -28,6 +28,9 @@ exit status 2, and the fix, via `CheckpointError`):
   `restore` names the checkpoint and the previous one to fall back to;
 - a listed checkpoint deleted while a reader opens it (the trainer keeps
   only the last few): `restore` returns False and the evaler skips it;
+- a checkpoint that does not fit the model (another model's logdir, or
+  params changed since): `restore` names the first variable whose shape
+  differs, before restoring anything (`checkpoint_fit`);
 - `_temp` directories left by a save that was killed (TensorFlow writes
   `ckpt-N_temp/part-*` and then renames): `remove_temp_dirs`.
 
@@ -50,6 +53,7 @@ import tensorflow as tf
 from tensorflow.python.training import checkpoint_state_pb2
 
 from lingvo_pipe import errors
+from lingvo_pipe.core import checkpoint_fit
 
 CHECKPOINT_PREFIX = 'ckpt'
 STATE_FILE = 'checkpoint'
@@ -287,8 +291,12 @@ def restore(checkpoint: tf.train.Checkpoint, path: str,
   files = files_of(path)
   if not files:
     return False
+  status = None
   try:
-    if files == [path]:
+    misfit = checkpoint_fit.misfit(checkpoint, files)
+    if misfit:
+      pass  # Restore nothing: TensorFlow would fail half-way (see above).
+    elif files == [path]:
       status = checkpoint.restore(path)
       if partial:
         status.expect_partial()
@@ -299,11 +307,21 @@ def restore(checkpoint: tf.train.Checkpoint, path: str,
         status.expect_partial()
         status.assert_nontrivial_match()
   except Exception as e:  # pylint: disable=broad-except
+    if status is not None:  # No page of "unrestored value" warnings later.
+      status.expect_partial()
     if not exists(path):
       return False  # Deleted while being read.
     reason = f'{type(e).__name__}: {_first_line(e)}'
     raise CheckpointError(f'{path} cannot be read ({reason}); '
                           f'{_damage_fix(path)}') from None
+  if misfit:
+    logdir = os.path.dirname(path)
+    raise CheckpointError(
+        f'{path} does not fit the model: {misfit}. It was written by another '
+        'model (is --logdir another run\'s?) or with other params (a layer '
+        'size, the layers or task.train.optimizer changed since); run with '
+        f'the params it was trained with ({os.path.join(logdir, "params.txt")}'
+        ') or use another --logdir.')
   return True
 
 

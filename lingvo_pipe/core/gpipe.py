@@ -83,23 +83,27 @@ class PipeliningLayer(base_layer.BaseLayer):
              'each runs (the built-in ones: stage s on devices[s mod K]; zb_v: '
              'device d holds stages d and 2K−1−d).')
     p.Define('split_points', None, 'Optional K·v−1 increasing layer indices '
-             'where stages 1.. start; overrides the partitioner.')
+             'where stages 1.. start; overrides the partitioner.',
+             value_type=list)
     p.Define('costs', None, 'Per-layer costs for the partitioner: a list '
              '(e.g. measured seconds), \'profile\' (measure each layer\'s '
              'forward + backward now, PipeDream-style), or None: FPropMeta '
-             'flops with input_shapes, else parameter counts.')
+             'flops with input_shapes, else parameter counts.',
+             value_type=(list, str))
     p.Define('input_shapes', None, 'Shapes of the first layer\'s positional '
              'inputs for one mini-batch, e.g. [[64, 28, 28, 1]]; FPropMeta '
-             'costs, shape checks and the simulator need them.')
+             'costs, shape checks and the simulator need them.',
+             value_type=list)
     p.Define('input_dtypes', None, 'Dtypes of those inputs (e.g. '
              '[\'int32\'] for token ids), for costs=\'profile\'; None = '
-             'float32.')
+             'float32.', value_type=list)
     p.Define('num_micro_batches', 1, 'M: micro-batches per mini-batch; '
              'M ≥ 4·K keeps the bubble (K−1)/(M+K−1) small. \'auto\': the '
              'largest micro-batch that fits memory_budget_bytes (M ≥ 4·K '
              'when possible).')
     p.Define('micro_batch_size', None, 'Alternative to num_micro_batches: '
-             'examples per micro-batch (M = N / micro_batch_size).')
+             'examples per micro-batch (M = N / micro_batch_size).',
+             value_type=int)
     p.Define('recompute', 'always', 'always: keep only stage inputs and '
              'recompute in backward (GPipe); needed: always, but a micro-'
              'batch whose backward directly follows its forward on the '
@@ -122,19 +126,19 @@ class PipeliningLayer(base_layer.BaseLayer):
     p.Define('memory_budget_bytes', None, 'Bytes one device may use: the '
              'memory preflight (FPropMeta bytes, the schedule, optimizer '
              'slots) refuses a config over it before the first step; needed '
-             'by num_micro_batches=\'auto\'.')
+             'by num_micro_batches=\'auto\'.', value_type=(int, float))
     p.Define('memory_optimizer', None, 'The optimizer whose slots the '
              'preflight counts (sgd, adam, rmsprop; None: no slots); '
-             'PipelinedTask sets it from task.train.optimizer.')
+             'PipelinedTask sets it from task.train.optimizer.', value_type=str)
     p.Define('devices', None, 'Device of each stage, e.g. ["/GPU:0", '
              '"/GPU:1"] or "/job:worker/task:1/device:CPU:0"; None = local '
-             'accelerators, else logical CPU devices.')
+             'accelerators, else logical CPU devices.', value_type=list)
     p.Define('inline_stage_calls', None, 'Let TensorFlow inline each call '
              'of a stage body: one optimised copy of the stage per micro-'
              'batch, so faster steps (K=2 stage processes: 3–14%) but a '
              'slower first step at large M. None: only in a multi-process '
              'run (stage processes, replicas), where each process runs one '
-             'stage.')
+             'stage.', value_type=bool)
     p.Define('loop_steady_state', True, 'Trace the periodic middle of the '
              'schedule (its steady state) as a tf.while_loop over micro-'
              'batches, so that tracing time and graph size do not grow with '
@@ -292,7 +296,8 @@ class PipeliningLayer(base_layer.BaseLayer):
             'nests of them): convert it, or compute it outside the pipeline.')
     if self._plan.metas is None:
       return
-    want = tf.nest.flatten(self._plan.metas[i].out_shapes)
+    want = [w for w in tf.nest.flatten(self._plan.metas[i].out_shapes)
+            if w is not None]
     got = [t.shape for t in tf.nest.flatten(outputs) if t is not None]
     bd = self.params.batch_dim
 
@@ -459,6 +464,9 @@ class PipeliningLayer(base_layer.BaseLayer):
     leaves = []
     for shape, dtype in zip(tf.nest.flatten(meta.out_shapes),
                             meta.out_dtypes):
+      if shape is None:  # A None leaf: nothing crosses.
+        leaves.append(None)
+        continue
       dims = shape.as_list()
       dims[bd] = micro
       leaves.append(tf.TensorSpec(dims, dtype))

@@ -38,15 +38,18 @@ def _suggest(name: str, candidates: list[str]) -> str:
 
 
 class _Param:
-  """One defined key: its value, default and doc string."""
+  """One defined key: its value, default, doc string and, for a None
+  default, the type its values from text must have (None: any)."""
 
-  __slots__ = ('name', 'value', 'default', 'doc')
+  __slots__ = ('name', 'value', 'default', 'doc', 'value_type')
 
-  def __init__(self, name: str, default: Any, doc: str) -> None:
+  def __init__(self, name: str, default: Any, doc: str,
+               value_type: Any = None) -> None:
     self.name = name
     self.value = default
     self.default = default
     self.doc = doc
+    self.value_type = value_type
 
 
 class Params:
@@ -58,8 +61,15 @@ class Params:
     self.__dict__['_path'] = ''
 
   # ---- Definition and access -------------------------------------------
-  def Define(self, name: str, default: Any, doc: str) -> None:
-    """Declares key `name` with a default value and a doc string."""
+  def Define(self, name: str, default: Any, doc: str,
+             value_type: Any = None) -> None:
+    """Declares key `name` with a default value and a doc string.
+
+    A default says what type the values read from text must have
+    (`FromText`), except None, which says nothing: `value_type` (a type or a
+    tuple of types, e.g. `int`) declares it for a None default, so that
+    `random_seed : abc` is an error naming the param, not the string 'abc'.
+    """
     self._CheckMutable(name)
     if not _PATH_PART.match(name) or '[' in name or name.startswith('_'):
       raise ParamsError(f'Param name {self._Full(name)!r} must be an '
@@ -73,7 +83,10 @@ class Params:
     if not doc:
       raise ParamsError(f'Param {self._Full(name)!r} needs a doc string: say '
                         'what it does and in which unit.')
-    self._params[name] = _Param(name, default, doc)
+    if value_type is not None and default is not None:
+      raise ParamsError(f'Param {self._Full(name)!r}: value_type is for a '
+                        f'None default; {default!r} already has a type.')
+    self._params[name] = _Param(name, default, doc, value_type)
     self._Adopt(name, default)
 
   def __getattr__(self, name: str) -> Any:
@@ -140,7 +153,8 @@ class Params:
     new.__dict__['_frozen'] = False
     new.__dict__['_path'] = self._path
     for name, param in self._params.items():
-      new._params[name] = _Param(name, _copy_value(param.value), param.doc)
+      new._params[name] = _Param(name, _copy_value(param.value), param.doc,
+                                 param.value_type)
       new._params[name].default = param.default
     return new
 

@@ -10,12 +10,17 @@ With `w = lr_warmup_steps` and `lr = learning_rate`, the rate of step s is
     warm(s)     = min(1, (s + 1) / w)                   (1 when w = 0)
     constant    = lr · warm(s)
     exponential = lr · warm(s) · rate^floor(s / lr_decay_steps)
-    cosine      = lr · warm(s) · ½(1 + cos(π · clip((s − w) / (max_steps − w),
-                                                     0, 1)))
+    cosine      = lr · warm(s) · ½(1 + cos(π · clip((s − w) / max(max_steps − w,
+                                                         1), 0, 1)))
     rsqrt       = lr · warm(s) · sqrt(max(w, 1) / max(s + 1, w, 1))
 
 so every schedule peaks at `lr` when the warm-up ends; rsqrt is the
 Transformer's "linear warm-up, then 1/√step" normalised to that peak.
+
+Every step a run trains (0 ≤ s < max_steps) gets a rate > 0, also when
+max_steps ≤ w: `--max_steps=5` is how people check that a model runs at
+all, so a warm-up longer than the run is no error. Such a run only warms up
+(`short_run_warning` says so); the cosine's decay would start after it.
 """
 
 from __future__ import annotations
@@ -55,12 +60,19 @@ def validate(train: Params) -> None:
     raise LearningRateError(f'task.train.lr_decay_steps must be > 0 for the '
                             f'exponential schedule, got '
                             f'{train.lr_decay_steps}.')
-  if (train.lr_schedule == 'cosine' and
-      train.max_steps <= train.lr_warmup_steps):
-    raise LearningRateError(
-        f'The cosine schedule decays from task.train.lr_warmup_steps '
-        f'({train.lr_warmup_steps}) to task.train.max_steps '
-        f'({train.max_steps}); make max_steps larger than the warm-up.')
+
+
+def short_run_warning(train: Params) -> str:
+  """What a run no longer than its warm-up should know ('' if nothing)."""
+  w, steps, kind = train.lr_warmup_steps, train.max_steps, train.lr_schedule
+  if w <= 0 or steps > w:
+    return ''
+  decay = (f', and the {kind} decay never starts' if kind in ('cosine',
+                                                              'rsqrt') else '')
+  return (f'task.train.max_steps={steps} is no longer than the {w}-step '
+          'warm-up (task.train.lr_warmup_steps): the last step trains at '
+          f'{steps / w:.2g}× the warmed-up learning rate{decay}. Fine for a '
+          'smoke run; train longer than the warm-up for a real one.')
 
 
 def learning_rate(train: Params, step: tf.Tensor | int) -> tf.Tensor:
@@ -85,7 +97,9 @@ def learning_rate(train: Params, step: tf.Tensor | int) -> tf.Tensor:
     periods = tf.floor(s / float(train.lr_decay_steps))
     decay = tf.pow(tf.constant(train.lr_decay_rate, tf.float32), periods)
   elif kind == 'cosine':
-    frac = tf.clip_by_value((s - w) / (train.max_steps - w), 0.0, 1.0)
+    # max(·, 1): a run no longer than its warm-up never decays (no 0/0).
+    span = float(max(train.max_steps - w, 1))
+    frac = tf.clip_by_value((s - w) / span, 0.0, 1.0)
     decay = 0.5 * (1.0 + tf.cos(math.pi * frac))
   else:  # rsqrt
     floor = max(w, 1.0)

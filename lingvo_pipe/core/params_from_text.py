@@ -62,6 +62,8 @@ def _set_from_text(root: hyperparams.Params, path: str,
   if text_value == hyperparams.BARE_PARAMS:
     if isinstance(old, hyperparams.Params):
       return  # Already Params: the lines that follow set its keys.
+    _check_declared(parent, key, index, path, hyperparams.Params(),
+                    text_value)
     if old is not None or default is not None:
       raise ParamsError(f'Param {path!r}: {hyperparams.BARE_PARAMS} cannot '
                         f'replace its {type(old).__name__} value {old!r}.')
@@ -70,11 +72,32 @@ def _set_from_text(root: hyperparams.Params, path: str,
     return
   head = _LIST_HEADER.match(text_value)
   if head:
+    _check_declared(parent, key, index, path, [], text_value)
     _set_list_from_header(parent, path, key, index, head, old, default)
     return
   suffix = '' if index is None else f'[{index}]'
-  parent.Set(**{key + suffix: params_text.parse_value(text_value, old, path,
-                                                      default)})
+  parent.Set(**{key + suffix: params_text.parse_value(
+      text_value, old, path, default, _declared_type(parent, key, index))})
+
+
+def _declared_type(node: hyperparams.Params, key: str,
+                   index: int | None) -> Any:
+  """`Define`'s value_type of key (None for a list element: any)."""
+  if index is not None:
+    return None
+  return node._params[key].value_type  # pylint: disable=protected-access
+
+
+def _check_declared(node: hyperparams.Params, key: str, index: int | None,
+                    path: str, built: Any, text_value: str) -> None:
+  """Refuses a line that would build a Params or list (`built`, an empty
+  one) where Define declared another type (`random_seed : list(len=2)`)."""
+  value_type = _declared_type(node, key, index)
+  if value_type is not None and not params_text.holds(value_type, built):
+    what = params_text.describe(value_type)
+    raise ParamsError(f'Param {path!r}: {text_value} would make it a '
+                      f'{type(built).__name__}, but it holds {what} or None; '
+                      f'give {what}.')
 
 
 def _old_and_default(node: hyperparams.Params, key: str,
@@ -114,6 +137,8 @@ def _set_class_from_text(root: hyperparams.Params, owner_path: str,
   if (isinstance(owner, hyperparams.InstantiableParams) and
       owner.cls is new_cls):
     return
+  _check_declared(parent, key, index, f'{owner_path}.cls',
+                  hyperparams.Params(), text_value)
   if not (isinstance(owner, hyperparams.Params) or
           owner is None and default is None):
     raise ParamsError(f'{owner_path}.cls : {text_value}: {owner_path} holds '

@@ -21,7 +21,10 @@ instead of changing a model. The rule's exceptions, each for a reason:
 - list and tuple are one kind: the text says which (`[1]` or `(1,)`, like
   `list(len=N)` or `tuple(len=N)`), so every value round-trips;
 - None replaces a value only where the default is None (or the value is
-  None already): `learning_rate : None` is an error, not a crash later.
+  None already): `learning_rate : None` is an error, not a crash later;
+- a param with a None default holds what its `Define(..., value_type=...)`
+  declares (`random_seed : abc` is an error, not the string 'abc' that
+  `int()` later chokes on), or anything if it declares nothing.
 
 Keys never grow under a None: a None becomes Params only by a line that
 says which, `x.cls : type/...` or `x : Params()` (ToText writes them for
@@ -109,7 +112,8 @@ def _looks_like_a_literal(text: str) -> bool:
   return bool(_LITERAL_START.match(text))
 
 
-def parse_value(text: str, old: Any, path: str, default: Any = None) -> Any:
+def parse_value(text: str, old: Any, path: str, default: Any = None,
+                value_type: Any = None) -> Any:
   """Parses `text` into the type of `old` (the value it replaces).
 
   Args:
@@ -117,23 +121,27 @@ def parse_value(text: str, old: Any, path: str, default: Any = None) -> Any:
     old: The value it replaces (its type is the expected type).
     path: The param's path, for messages.
     default: The param's default (None: the param may hold anything).
+    value_type: What a param with a None default holds (a type or a tuple
+      of types; see `Params.Define`); None: anything.
 
   Raises:
     ParamsError: naming the path, the text and the expected type.
   """
-  kind = 'a value' if old is None else type(old).__name__
+  kind = 'a value' if old is None else describe(type(old))
   if len(text) > params_literal.MAX_VALUE_CHARS:
     raise ParamsError(f'Cannot parse {path} : {_shown(text)}: its '
                       f'{len(text):,} characters exceed the '
                       f'{params_literal.MAX_VALUE_CHARS:,} a value may have.')
+  if old is None and value_type is not None:
+    kind = describe(value_type)
   try:
     value = params_literal.parse(text)
   except ParamsError as e:
-    word = _as_word(text, old)
+    word = _as_word(text, old, value_type)
     if word is not None:
       return word
     raise ParamsError(f'Cannot parse {path} : {_shown(text)} as {kind}: '
-                      f'{e}.') from None
+                      f'{e}; give {kind}.') from None
   if value is None:
     if old is None or default is None:
       return None
@@ -142,7 +150,11 @@ def parse_value(text: str, old: Any, path: str, default: Any = None) -> Any:
         f'{old!r} (its default is {default!r}); give a '
         f'{type(old).__name__}.')
   if old is None:
-    return value
+    if value_type is None or holds(value_type, value):
+      return float(value) if value_type is float else value
+    raise ParamsError(
+        f'Param {path!r}: text {_shown(text)} is {describe(type(value))}, '
+        f'but it holds {kind} or None; give {kind}.')
   converted = _convert(value, old, text)
   if converted is _MISMATCH:
     raise ParamsError(
@@ -158,11 +170,36 @@ def _shown(text: str) -> str:
   return repr(text if len(text) <= 200 else text[:197] + '...')
 
 
-def _as_word(text: str, old: Any) -> Any:
+def _types_of(value_type: Any) -> tuple[type, ...]:
+  return value_type if isinstance(value_type, tuple) else (value_type,)
+
+
+def describe(value_type: Any) -> str:
+  """'an int', 'a list or a str': what `Define(value_type=...)` declares."""
+  names = [getattr(t, '__name__', str(t)) for t in _types_of(value_type)]
+  return ' or '.join(f'an {n}' if n[0] in 'aeiou' else f'a {n}'
+                     for n in names)
+
+
+def holds(value_type: Any, value: Any) -> bool:
+  """Whether a param declared with `value_type` may hold `value`: bool is
+  no int, an int is a float, and list and tuple are one kind (as above)."""
+  for t in _types_of(value_type):
+    if t in (int, float) and isinstance(value, bool):
+      continue
+    if (isinstance(value, t) or t is float and isinstance(value, int) or
+        t in (list, tuple) and isinstance(value, (list, tuple))):
+      return True
+  return False
+
+
+def _as_word(text: str, old: Any, value_type: Any = None) -> Any:
   """An unquoted string (`adam`) or dtype name (`bool`), where allowed."""
-  if isinstance(old, str) or (old is None and not _looks_like_a_literal(text)):
+  typed = old is None and value_type is not None
+  if isinstance(old, str) or (old is None and not _looks_like_a_literal(text)
+                              and (not typed or str in _types_of(value_type))):
     return text
-  if isinstance(old, tf.DType):
+  if isinstance(old, tf.DType) or typed and tf.DType in _types_of(value_type):
     try:
       return tf.as_dtype(text.strip())  # 'bool', 'string', 'half'
     except TypeError:

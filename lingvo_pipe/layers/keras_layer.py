@@ -135,14 +135,17 @@ class KerasLayer(base_layer.BaseLayer):
     p.Define('keras_layer', None, 'The Keras layer, serialized '
              '(keras.saving.serialize_keras_object) without build_config '
              'and dtype policy: dtype and fprop_dtype give the policy '
-             '(float32 weights with fprop_dtype bfloat16 = mixed_bfloat16).')
+             '(float32 weights with fprop_dtype bfloat16 = mixed_bfloat16).',
+             value_type=dict)
     p.Define('build_config', None, 'Keras\'s build config: the input '
              'shape(s) the layer is built for, e.g. {\'input_shape\': '
-             '(None, 28, 28, 1)}; the batch dimension may be None.')
+             '(None, 28, 28, 1)}; the batch dimension may be None.',
+             value_type=dict)
     p.Define('keras_weights', None, 'None: the initial weights come from '
              'the layer\'s Keras initializers, seeded by random_seed and the '
              'layer path. \'sha256:…\': the weights from_keras registered in '
-             'this process under that name (a hash of their values).')
+             'this process under that name (a hash of their values).',
+             value_type=str)
     return p
 
   def __init__(self, params: InstantiableParams) -> None:

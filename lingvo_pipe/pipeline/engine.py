@@ -49,6 +49,16 @@ LossFn = Callable[[Any, Any], dict[str, tuple[tf.Tensor, tf.Tensor]]]
 EngineError = executor_lib.ExecutorError  # A schedule or stages it cannot run.
 
 
+def _hiding_none(stages: Sequence[Stage]) -> list[Stage]:
+  """Stages whose inputs and outputs hide their None leaves (each layer
+  still gets and returns them): see `microbatch.hide_none`."""
+
+  def _wrap(fprop: Callable[..., Any]) -> Callable[..., Any]:
+    return lambda theta, x, *side: microbatch.hide_none(fprop(
+        theta, *(microbatch.show_none(a) for a in (x, *side))))
+  return [Stage(_wrap(s.fprop), s.theta, s.device, s.inline) for s in stages]
+
+
 def _read_thetas(stages: Sequence[Stage], local: Sequence[int]) -> list[Any]:
   """Each local stage's weights, read on its own device."""
   thetas = []
@@ -118,6 +128,7 @@ def run(stages: list[Stage], inputs: tuple[Any, ...], schedule: Schedule,
   """
   forward, backward = _phases(schedule)
   num_micro, last = schedule.num_micro_batches, len(stages) - 1
+  stages, inputs = _hiding_none(stages), microbatch.hide_none(inputs)
   ex = Executor(stages, schedule, microbatch.batch_size(
       inputs, batch_dim, 'pipeline'), batch_dim, loop=loop)
   local = ex.local_stages()
@@ -161,7 +172,7 @@ def run(stages: list[Stage], inputs: tuple[Any, ...], schedule: Schedule,
   out, stats = structure
   n_out = len(tf.nest.flatten(out))
   _merge_stats(tf.nest.pack_sequence_as(stats, flat[n_out:]))
-  return tf.nest.pack_sequence_as(out, flat[:n_out])
+  return microbatch.show_none(tf.nest.pack_sequence_as(out, flat[:n_out]))
 
 
 def _loss_stage(stage: Stage, loss_fn: LossFn) -> Stage:
@@ -196,8 +207,9 @@ def _metric_names(loss_fn: LossFn, out_spec: Any, labels: Any) -> list[str]:
   label_spec = tf.nest.map_structure(
       lambda t: tf.TensorSpec(t.shape, t.dtype), labels)
   out_spec = out_spec[0] if len(out_spec) == 1 else out_spec
-  traced = tf.function(loss_fn, autograph=False).get_concrete_function(
-      out_spec, label_spec)
+  traced = tf.function(
+      lambda y, side: loss_fn(*microbatch.show_none((y, side))),
+      autograph=False).get_concrete_function(out_spec, label_spec)
   return sorted(traced.structured_outputs)
 
 
@@ -239,7 +251,10 @@ def run_with_loss(stages: list[Stage], inputs: tuple[Any, ...], labels: Any,
       placement_lib.collective.Peers.local(), schedule.num_devices)
   if placement.multi_process:
     schedule = schedule.with_transfers()
-  stages = stages[:-1] + [_loss_stage(stages[-1], loss_fn)]
+  stages = _hiding_none(stages[:-1] + [_loss_stage(stages[-1], loss_fn)])
+  inputs, labels = microbatch.hide_none(inputs), microbatch.hide_none(labels)
+  if specs is not None:
+    specs = lambda s, given=specs: microbatch.hide_none(given(s))
   ex = Executor(stages, schedule, microbatch.batch_size(
       inputs, batch_dim, 'pipeline'), batch_dim, placement, specs, loop)
   local = ex.local_stages()

@@ -5,10 +5,17 @@ Transformer's (x, paddings), a skip tensor carried past several layers);
 every leaf must carry the batch on `batch_dim`. The split is a plain slice,
 so example i of the mini-batch is example i mod n of micro-batch i // n
 (n = N / M), the order the dropout masks and the loss rely on.
+
+A None leaf (Lingvo's `NestedMap(vec=x, paddings=None)`) is no tensor: it
+carries no batch and has no gradient, and a `tf.custom_gradient` cannot take
+it as an argument. `hide_none` turns each None into an empty structure,
+which `tf.nest` flattens to nothing, so the engine never sees it;
+`show_none` gives the layers their None back.
 """
 
 from __future__ import annotations
 
+import collections
 from typing import Any
 
 import tensorflow as tf
@@ -22,7 +29,7 @@ class MicroBatchError(errors.LingvoPipeError):
 
 def batch_size(inputs: Any, batch_dim: int, where: str) -> int | tf.Tensor:
   """The common batch size of every leaf of `inputs` (static if known)."""
-  leaves = tf.nest.flatten(inputs)
+  leaves = [x for x in tf.nest.flatten(inputs) if x is not None]
   if not leaves:
     raise MicroBatchError(f'{where}: the pipeline got no input tensors.')
   sizes = set()
@@ -45,14 +52,38 @@ def batch_size(inputs: Any, batch_dim: int, where: str) -> int | tf.Tensor:
   return tf.shape(leaves[0])[batch_dim]
 
 
+# Where a None leaf was: a structure with no leaves (see the docstring).
+_NoneLeaf = collections.namedtuple('_NoneLeaf', [])
+
+
+def hide_none(nest: Any) -> Any:
+  """`nest` with every None leaf replaced by a structure with no leaves."""
+  return tf.nest.map_structure(lambda x: _NoneLeaf() if x is None else x,
+                               nest)
+
+
+def show_none(nest: Any) -> Any:
+  """Inverse of `hide_none`: the None leaves back in place."""
+  if isinstance(nest, _NoneLeaf):
+    return None
+  if isinstance(nest, dict):  # NestedMap too: rebuilt as tf.nest does.
+    return type(nest)((k, show_none(v)) for k, v in nest.items())
+  if isinstance(nest, tuple) and hasattr(type(nest), '_fields'):
+    return type(nest)(*(show_none(v) for v in nest))
+  if isinstance(nest, (list, tuple)):
+    return type(nest)(show_none(v) for v in nest)
+  return nest
+
+
 def num_micro_batches(batch_size: int | tf.Tensor, num_micro_batches: int,
                       micro_batch_size: int | None, where: str) -> int:
   """M from the params, checked against the batch size N."""
   if micro_batch_size is not None:
-    if micro_batch_size < 1:
+    if not isinstance(micro_batch_size, int) or isinstance(
+        micro_batch_size, bool) or micro_batch_size < 1:
       raise MicroBatchError(
-          f'{where}: micro_batch_size must be ≥ 1 (or None to use '
-          f'num_micro_batches), got {micro_batch_size}.')
+          f'{where}: micro_batch_size must be ≥ 1 (an int, or None to use '
+          f'num_micro_batches), got {micro_batch_size!r}.')
     if not isinstance(batch_size, int):
       raise MicroBatchError(
           f'{where}: micro_batch_size={micro_batch_size} needs a static batch '

@@ -20,6 +20,7 @@ prints the partition of a paper-sized config (8 stages of AmoebaNet-D(18,
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from typing import Any
 
@@ -138,7 +139,8 @@ class Plan:
     p = self.params
     if p.input_shapes is None:
       return None
-    shape = tf.nest.flatten(base_layer.as_shape(tuple(p.input_shapes)))[0]
+    shape = next((s for s in tf.nest.flatten(base_layer.as_shape(
+        tuple(p.input_shapes))) if s is not None), tf.TensorShape(None))
     dims = shape.as_list() if shape.rank is not None else []
     return dims[p.batch_dim] if len(dims) > p.batch_dim else None
 
@@ -196,7 +198,9 @@ class Plan:
     if batch_size is None:
       return shapes
 
-    def _set(s: tf.TensorShape) -> tf.TensorShape:
+    def _set(s: tf.TensorShape | None) -> tf.TensorShape | None:
+      if s is None:  # A None leaf.
+        return None
       dims = s.as_list()
       dims[p.batch_dim] = batch_size
       return tf.TensorShape(dims)
@@ -391,6 +395,11 @@ def make_plan(p: Any, where: str, profile_inputs: Any = None) -> Plan:
     costs, shares = _profiled_costs(p, layers, where, profile_inputs)
     unit = 'seconds'
   elif p.costs is not None:
+    if isinstance(p.costs, str) or not all(
+        isinstance(c, (int, float)) and not isinstance(c, bool) and
+        0 <= c < math.inf for c in p.costs):
+      raise PlanError(f'{where}: costs={p.costs!r}; give one finite cost ≥ 0 '
+                      'per layer (e.g. [1.0, 2.5]), \'profile\', or None.')
     if len(p.costs) != len(layers):
       raise PlanError(
           f'{where}: p.costs has {len(p.costs)} entries but there are '

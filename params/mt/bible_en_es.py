@@ -10,10 +10,13 @@ in 3 length buckets. TransformerSmallBf16 is the same in bfloat16 compute,
 faster on CPUs with bfloat16 units (AMX, AVX512-BF16). A 60-minute run of
 TransformerSmallBf16 on 2 cores (`--max_train_minutes=60`: 1,971 steps,
 ~7.5 epochs, embeddings then untied) scored test BLEU 17.3 and dev BLEU
-19.4 (greedy, sacrebleu). Source embedding, target embedding and softmax
-share one table, as the vocabulary is joint (TIE_EMBEDDINGS; an untied
-variant is a subclass with TIE_EMBEDDINGS = False). TransformerDeep is GPipe's deep recipe for accelerators: 24+24 layers,
-8 stages × 32 micro-batches, scaled-down feed-forward init and clipped logits.
+19.4 (greedy, sacrebleu); `--max_steps=1971` trains the same steps (README
+lists the commands); the registered MAX_STEPS stops at 1000. Source
+embedding, target embedding and softmax share one table, as the vocabulary
+is joint (TIE_EMBEDDINGS; an untied variant is a subclass with
+TIE_EMBEDDINGS = False).
+
+TransformerDeep is GPipe's deep recipe for accelerators: 24+24 layers, 8 stages × 32 micro-batches, scaled-down feed-forward init and clipped logits.
 
 Each config is class attributes, so a variant is a subclass that changes a
 few numbers (the tests train tiny ones).

@@ -30,11 +30,22 @@ def _new(*extra):
   return [f'--model={br.MODEL}', '--logdir={fresh}', *extra]
 
 
+# The synthetic model with 5 outputs instead of 4: other shapes.
+_RESIZED = 'task.pipeline.layers[4].output_dim: 5; input.output_dim: 5'
+
+
+def _resume(logdir_field, override):
+  """The trained run continued with `override` (no other override flag)."""
+  return ['--logdir={%s}' % logdir_field, *_MORE[:2],
+          f'{_MORE[2]}; {override}']
+
+
 # (case, binary, args, what the one line must contain: a string, or a tuple
 # of alternatives). Fields: {fresh} a path that does not exist; {eval} a
 # logdir holding only a params.txt; {file} a regular file; {bad_utf8} a
-# params file with a byte that is not UTF-8; the others are copies of a
-# trained logdir, damaged as `_DAMAGE` says.
+# params file with a byte that is not UTF-8; {bad_seed} a params file
+# setting `task.random_seed : abc`; the others are copies of a trained
+# logdir, damaged as `_DAMAGE` says.
 _CASES = [
     ('unknown_model', 'trainer', [f'--model={_TYPO}', '--logdir={fresh}'],
      f'Closest: {br.MODEL}'),
@@ -170,6 +181,59 @@ _CASES = [
      'is not UTF-8 text'),
     ('eval_type_outside_the_package', 'evaler', ['--logdir={foreign_type}'],
      'never imports other modules'),
+    # ---- Issue 29: typed params from text (a None default said nothing of
+    # the type, so 'abc' reached int()), positional arguments (absl's
+    # 92-line flag list, exit 1), checkpoints of other shapes (45 lines of
+    # TensorFlow's restore error), a logdir with nothing to score.
+    ('random_seed_not_an_int', 'trainer',
+     _new('--model_params_override=task.random_seed: abc'),
+     "task.random_seed : 'abc' as an int"),
+    ('random_seed_not_an_int_in_a_file', 'trainer',
+     _new('--model_params_file_override={bad_seed}'),
+     "task.random_seed : 'abc' as an int"),
+    ('layer_random_seed_a_float', 'trainer',
+     _new(_PIPE + 'layers[0].random_seed: 1.5'),
+     "is a float, but it holds an int or None"),
+    ('fprop_dtype_not_a_dtype', 'trainer', _new(_PIPE + 'fprop_dtype: abc'),
+     "task.pipeline.fprop_dtype : 'abc' as a DType"),
+    ('micro_batch_size_not_an_int', 'trainer',
+     _new(_PIPE + 'micro_batch_size: abc'),
+     "task.pipeline.micro_batch_size : 'abc' as an int"),
+    ('costs_not_numbers', 'trainer',
+     _new(_PIPE + "costs: ['1', 'x', '3', '4', '5']"),
+     'give one finite cost ≥ 0 per layer'),
+    ('eval_random_seed_not_an_int', 'evaler',
+     ['--logdir={eval}', '--model_params_override=task.random_seed: abc'],
+     "task.random_seed : 'abc' as an int"),
+    ('extra_positional_argument', 'trainer', _new('extra'),
+     "unexpected argument 'extra'"),
+    ('override_value_not_quoted', 'trainer',
+     _new('--model_params_override=task.train.learning_rate:', '0.1'),
+     "unexpected argument '0.1'"),
+    ('worker_extra_positional_argument', 'worker', _new('extra'),
+     "unexpected argument 'extra'"),
+    ('eval_extra_positional_argument', 'evaler', ['--logdir={eval}', 'extra'],
+     "unexpected argument 'extra'"),
+    ('eval_checkpoint_of_other_shapes', 'evaler',
+     ['--logdir={intact}', f'--model_params_override={_RESIZED}'],
+     'ckpt-30 does not fit the model: regression.pipeline.out/b has shape '
+     '[4] in the checkpoint but [5] in the model'),
+    ('resume_checkpoint_of_other_shapes', 'trainer',
+     _resume('no_params_txt', _RESIZED),
+     'ckpt-30 does not fit the model: regression.pipeline.out/b has shape '
+     '[4] in the checkpoint but [5] in the model'),
+    ('resume_with_another_optimizer', 'trainer',
+     _resume('no_params_txt', 'task.train.optimizer: sgd'),
+     'momentum is not in it'),
+    ('eval_no_checkpoint_yet', 'evaler', ['--logdir={eval}'],
+     'holds no checkpoint yet'),
+    # Found by probing (was a 170-line params diff; exit 0 with nothing
+    # scored after 'Skipping ckpt-90: deleted before it could be read').
+    ('resume_another_model', 'trainer',
+     ['--logdir={intact}', '--model=image.fashion_mnist.AmoebaNetGPipe'],
+     f'is a run of {br.MODEL}, not image.fashion_mnist.AmoebaNetGPipe'),
+    ('eval_dangling_state_file', 'evaler', ['--logdir={dangling_state}'],
+     'ckpt-90 is the newest checkpoint listed'),
 ]
 
 
@@ -192,6 +256,10 @@ _DAMAGE = {
                                                           1)),
     'foreign_type': ('params.txt', lambda b: b + (
         b'task.pipeline.layers[0].cls : type/lp_no_such_module.Layer\n')),
+    'dangling_state': ('checkpoint', lambda b: b.replace(b'ckpt-30',
+                                                         b'ckpt-90')),
+    'intact': ('params.txt', lambda b: b),
+    'no_params_txt': ('params.txt', lambda b: None),  # None: deleted.
 }
 
 
@@ -202,6 +270,9 @@ def bad_runs(tmp_path_factory, trained_logdir):
   file.write_text('not a directory')
   bad_utf8 = tmp / 'bad_utf8.txt'
   bad_utf8.write_bytes(b'task.name : caf\xe9\n')
+  bad_seed = tmp / 'bad_seed.txt'
+  bad_seed.write_text('task.train.learning_rate : 0.02\n'
+                      'task.random_seed : abc\n')
   dirs = {}
   for name, model in (('eval', br.MODEL), ('typo', _TYPO)):
     dirs[name] = tmp / name
@@ -213,11 +284,16 @@ def bad_runs(tmp_path_factory, trained_logdir):
     dirs[name] = tmp / name
     shutil.copytree(trained_logdir, dirs[name])
     path = dirs[name] / target
-    path.write_bytes(damage(path.read_bytes()))
+    damaged = damage(path.read_bytes())
+    if damaged is None:
+      path.unlink()
+    else:
+      path.write_bytes(damaged)
   before = {name: br.tree(d) for name, d in dirs.items()}
   runs = []
   for case, binary, args, _ in _CASES:
-    fields = dict(fresh=tmp / case, file=file, bad_utf8=bad_utf8, **dirs)
+    fields = dict(fresh=tmp / case, file=file, bad_utf8=bad_utf8,
+                  bad_seed=bad_seed, **dirs)
     runs.append((binary, [a.format(**fields) for a in args]))
   # A hang guard only: ~4 CPU-seconds a run, on a machine that may be busy.
   results = dict(zip([c[0] for c in _CASES],

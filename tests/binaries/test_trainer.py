@@ -72,6 +72,11 @@ def side_runs(trained_logdir, tmp_path_factory):
                           '--max_steps=20', '--model_params_override='
                           'input.nan_at_step: 7; '
                           'task.train.save_interval_steps: 3')),
+      # Shorter than the model's 10-step warm-up: a smoke run.
+      'smoke': ('trainer', (f'--model={br.MODEL}', '--max_steps=5',
+                            f'--logdir={tmp / "smoke"}',
+                            '--model_params_override='
+                            'task.train.summary_interval_steps: 1')),
   }
   results = dict(zip(runs, br.run_many(list(runs.values()))))
   return results, tmp, before
@@ -117,6 +122,21 @@ def test_larger_max_steps_continues_the_same_run(side_runs):
   assert checkpoints.step_of(listed[-1]) == 35
   assert 'task.train.max_steps : 35' in (
       tmp / 'extended' / 'params.txt').read_text()
+
+
+def test_a_smoke_run_shorter_than_the_warm_up_trains_from_step_0(side_runs):
+  # Issue 29: --max_steps=5 with the model's 10-step warm-up exited 2 ("make
+  # max_steps larger than the warm-up"), and the cosine factor was 0 there.
+  results, tmp, _ = side_runs
+  rc, _, err = results['smoke']
+  assert rc == 0, err
+  assert 'no longer than the 10-step warm-up' in err
+  rates = summaries.read_scalars(str(tmp / 'smoke' / 'train'))[
+      'learning_rate']
+  assert [s for s, _ in rates] == [1, 2, 3, 4, 5]
+  assert all(0 < r < 1 for _, r in rates), rates
+  listed = checkpoints.list_checkpoints(str(tmp / 'smoke'))
+  assert [checkpoints.step_of(c) for c in listed] == [5]
 
 
 def test_nan_stops_naming_the_step_and_keeps_the_last_good_checkpoint(

@@ -177,6 +177,17 @@ def test_initial_values_follow_the_documented_formula():
   np.testing.assert_array_equal(layer.vars.w.numpy(), want.numpy())
 
 
+@pytest.mark.parametrize('seed', ['abc', 1.5, True])
+def test_a_seed_that_is_no_int_is_named(seed):
+  # Issue 29: int('abc') raised a bare ValueError; int(1.5) and int(True)
+  # silently seeded with 1. Set in code (text is refused by FromText).
+  with pytest.raises(LayerError, match=rf'fc: random_seed={seed!r}; give an '
+                     'int'):
+    Dense.Params().Set(name='fc', random_seed=seed).Instantiate()
+  layer = Dense.Params().Set(name='fc', random_seed=np.int64(5)).Instantiate()
+  assert layer.random_seed == 5
+
+
 def test_same_params_give_the_same_weights_whatever_the_global_seed():
   p = Tree.Params().Set(name='root')
   tf.random.set_seed(1)

@@ -21,6 +21,7 @@ import tensorflow as tf
 from lingvo_pipe.core import base_layer
 from lingvo_pipe.core import fprop_context
 from lingvo_pipe.core import gpipe
+from lingvo_pipe.core.nested_map import NestedMap
 from lingvo_pipe.pipeline import timeline
 from lingvo_pipe.pipeline import transparency
 from lingvo_pipe.layers import embedding
@@ -280,3 +281,83 @@ def test_forward_recompute_and_backward_run_on_the_stage_device(recompute):
   expected = {stacks.DEVICES[k]: 2 * (2 * 3 + recomputes[recompute][k])
               for k in range(2)}
   assert counts == expected
+
+
+# ---- None leaves -------------------------------------------------------------
+class _VecLayer(base_layer.BaseLayer):
+  """NestedMap(vec, paddings=None) → NestedMap(tanh(fc(vec)), paddings)."""
+
+  def __init__(self, params):
+    super().__init__(params)
+    self.CreateChild('fc', linear.FCLayer.Params().Set(
+        input_dim=4, output_dim=4, activation='TANH'))
+
+  def FProp(self, theta, m):
+    if m.paddings is not None:  # The layer must get the None itself.
+      raise TypeError(f'{self.path}: paddings={m.paddings!r}, not None')
+    vec = tf.cast(m.vec, self.fprop_dtype)  # As library layers do.
+    return NestedMap(vec=self.children.fc.FProp(theta.fc, vec),
+                     paddings=m.paddings)
+
+  @classmethod
+  def FPropMeta(cls, p, m):
+    return base_layer.LayerMeta.build(
+        p, flops=2 * m.vec.num_elements() * 4, out_shapes=(m,),
+        num_params=20)
+
+
+def _none_leaf_loss(out, labels):
+  """A weighted mean over examples; `labels` has a None leaf too."""
+  assert labels.unused is None and out.paddings is None
+  per = tf.reduce_sum(tf.square(out.vec) + out.vec, axis=1)
+  w = tf.cast(labels.w, per.dtype)
+  return {'loss': (tf.reduce_sum(per * w) / tf.reduce_sum(w),
+                   tf.reduce_sum(w))}
+
+
+@pytest.mark.parametrize('method, schedule', [
+    ('FProp', 'gpipe'), ('FPropLoss', 'gpipe'), ('FPropLoss', '1f1b')])
+def test_none_leaves_pass_through_every_stage(method, schedule):
+  # Issue 29: Lingvo's gpipe_test.testDummyPipelineCnnNestedMapInput trains
+  # on NestedMap(vec=x, paddings=None); here the None was taken for an input
+  # tensor ("input leaf 0 has shape ()"), and a tf.custom_gradient cannot
+  # take it as an argument. It must reach every layer and the loss as None.
+  p = gpipe.PipeliningLayer.Params().Set(
+      name='net', num_stages=2, num_micro_batches=8, schedule=schedule,
+      layers=[_VecLayer.Params().Set(name=f'v{i}') for i in range(4)],
+      input_shapes=[NestedMap(vec=[stacks.BATCH, 4], paddings=None)],
+      devices=stacks.DEVICES)
+  net = p.Instantiate()
+  twin = stacks.float64_twin(net)
+  rng = np.random.RandomState(3)
+  x = NestedMap(vec=tf.constant(rng.randn(stacks.BATCH, 4), tf.float32),
+                paddings=None)
+  labels = NestedMap(w=tf.constant(rng.uniform(0.5, 2, stacks.BATCH),
+                                   tf.float32), unused=None)
+
+  @tf.function
+  def _pipelined():
+    with tf.GradientTape() as tape:
+      with fprop_context.scope(training=True, step=1):
+        if method == 'FProp':
+          out = net.FProp(net.theta, x)
+          loss = _none_leaf_loss(out, labels)['loss'][0]
+        else:
+          loss = net.FPropLoss(net.theta, (x,), labels,
+                               _none_leaf_loss)['loss'][0]
+    return loss, tape.gradient(loss, net.theta)
+
+  def _reference(layers):
+    with tf.GradientTape() as tape:
+      m = x
+      for layer, theta in zip(layers, net.theta.layers):
+        m = layer.FProp(theta, m)
+      loss = _none_leaf_loss(m, labels)['loss'][0]
+    return loss, tape.gradient(loss, net.theta)
+
+  got = _pipelined()
+  want, want64 = _reference(net.children.layers), _reference(
+      twin.children.layers)
+  for name, i in (('loss', 0), ('gradients', 1)):
+    d = transparency.discrepancy(got[i], want[i], want64[i])
+    assert d.ok(), f'{name}: {d}'

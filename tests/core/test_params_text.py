@@ -184,6 +184,89 @@ def test_list_header_keeps_non_lists_typed():
   assert _params(x=None).FromText('x : list(len=2)').x == [None, None]
 
 
+# ---- Declared types of None defaults (issue 29) ------------------------------
+# `random_seed : abc` parsed as the string 'abc' (a None default holds
+# anything), and the layer's int() then crashed with a traceback, exit 1.
+_MLP = 'synthetic.regression.MlpRegression'
+
+
+@pytest.mark.parametrize('line, match', [
+    ('task.random_seed : abc', "'abc' as an int"),
+    ('task.random_seed : 1.5', 'is a float, but it holds an int or None'),
+    ('task.random_seed : true', 'is a bool, but it holds an int'),
+    ('task.pipeline.layers[2].random_seed : "7"', 'is a str'),
+    ('task.random_seed : list(len=2)', 'would make it a list'),
+    ('task.random_seed : Params()', 'would make it a Params'),
+    ('task.random_seed.cls : type/lingvo_pipe.layers.linear.FCLayer',
+     'would make it a Params'),
+    ('task.fprop_dtype : abc', "'abc' as a DType"),
+    ('task.pipeline.micro_batch_size : abc', "'abc' as an int"),
+    ('task.pipeline.micro_batch_size : 2.5', 'is a float'),
+    ('task.pipeline.devices : abc', "'abc' as a list"),
+    ('task.pipeline.split_points : 2', 'is an int, but it holds a list'),
+    ('task.pipeline.memory_optimizer : 5', 'holds a str or None'),
+    ('task.pipeline.memory_budget_bytes : big', 'as an int or a float'),
+    ('task.pipeline.inline_stage_calls : 1', 'holds a bool or None'),
+])
+def test_a_none_default_holds_only_its_declared_type(line, match):
+  p = model_registry.get_params(_MLP, 'Train')
+  before = p.ToText()
+  with pytest.raises(ParamsError, match=match) as e:
+    p.FromText(line)
+  assert line.split(' : ')[0].replace('.cls', '') in str(e.value)
+  assert p.ToText() == before  # Refused before anything changed.
+
+
+@pytest.mark.parametrize('line, want', [
+    ('task.random_seed : 7', 7),
+    ('task.fprop_dtype : float64', tf.float64),
+    ('task.fprop_dtype : tf.bfloat16', tf.bfloat16),
+    ('task.pipeline.memory_budget_bytes : 1e9', 1e9),
+    ('task.pipeline.costs : profile', 'profile'),
+    ('task.pipeline.costs : [1, 2.5, 1, 1, 1]', [1, 2.5, 1, 1, 1]),
+    ('task.pipeline.split_points : (2,)', (2,)),
+    ('task.pipeline.devices : ["/device:CPU:1", "/device:CPU:0"]',
+     ['/device:CPU:1', '/device:CPU:0']),
+    ('task.pipeline.inline_stage_calls : false', False),
+    ('task.random_seed : None', None),
+])
+def test_a_none_default_takes_its_declared_type(line, want):
+  p = model_registry.get_params(_MLP, 'Train').FromText(line)
+  assert p.Get(line.split(' : ')[0]) == want
+
+
+def _none_defaults(p: Params, path: str = ''):
+  """(path, declared type, value) of every param whose default is None."""
+  for name, param in p._params.items():  # pylint: disable=protected-access
+    here = f'{path}{name}'
+    if param.default is None:
+      yield here, param.value_type, param.value
+    values = param.value if isinstance(param.value, (list, tuple)) else [
+        param.value]
+    for i, value in enumerate(values):
+      if isinstance(value, Params):
+        index = f'[{i}]' if isinstance(param.value, (list, tuple)) else ''
+        yield from _none_defaults(value, f'{here}{index}.')
+
+
+def test_every_none_default_of_a_registered_model_declares_its_type():
+  # The class of issue 29's bug: a None default says nothing about the
+  # type, so any text went through. A param that holds Params (a layer's
+  # `body`) is built by its own lines and needs no declaration.
+  untyped = set()
+  for name in model_registry.list_models():
+    for path, value_type, value in _none_defaults(
+        model_registry.get_params(name, 'Train')):
+      if value_type is None and not isinstance(value, Params):
+        untyped.add(path)
+  assert not untyped, sorted(untyped)
+
+
+def test_value_type_is_only_for_a_none_default():
+  with pytest.raises(ParamsError, match='value_type is for a None default'):
+    Params().Define('lr', 0.1, 'Rate.', value_type=float)
+
+
 # ---- type/ resolves only what is safe ---------------------------------------
 def test_type_outside_the_package_is_refused_and_not_imported(tmp_path,
                                                              monkeypatch):

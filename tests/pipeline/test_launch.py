@@ -119,3 +119,27 @@ def test_reserved_ports_are_distinct_and_kept_off_until_let_go():
     s.close()
   plain.bind(('127.0.0.1', ports[1]))
   plain.close()
+
+
+@pytest.mark.parametrize('flags, message', [
+    (['--num_stages=abc'], "flag --num_stages=abc: invalid literal"),
+    (['--num_stages=0'], '--num_stages=0 and --num_replicas=1 must both'),
+    (['--num_stages=2', 'extra', '--', '--scenario=one_f_one_b'],
+     "unexpected argument 'extra'"),
+])
+def test_bad_flags_and_stray_arguments_are_one_line_exit_2(flags, message):
+  # Issue 29: absl's FATAL line and exit 1; a stray argument went to every
+  # task, which each exited 2 in turn.
+  run = subprocess.run([sys.executable] + _launch_args(*flags),
+                       capture_output=True, text=True, timeout=TIMEOUT_S,
+                       env=env(), cwd=ROOT)
+  lines = run.stderr.strip().splitlines()
+  assert run.returncode == 2 and len(lines) == 1, run.stderr
+  assert lines[0].startswith('lingvo_pipe.launch: error: ')
+  assert message in lines[0]
+
+
+def test_a_flag_value_after_its_flag_is_no_stray_argument():
+  assert launch.stray_argument(['--model', 'm', '--logdir=/x']) is None
+  assert launch.stray_argument(['--logdir=/x', 'm']) == 'm'
+  assert launch.stray_argument(['extra', '--model=m']) == 'extra'
