@@ -2,7 +2,7 @@
 
 Shared by test_benchmark.py (every section rendered from recorded tiny
 results: cheap, in CI) and test_benchmark_sections.py (every section run
-end to end at tiny sizes: tagged long).
+end to end at tiny sizes: tagged rehearsal).
 """
 
 import importlib.util

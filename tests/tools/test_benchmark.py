@@ -3,7 +3,7 @@
 Every section's Markdown and pictures are rendered from tiny results
 recorded by the sections themselves (`benchmark_tool.RECORDED`); running
 each section end to end at tiny sizes is test_benchmark_sections.py
-(tagged long: each section starts stage processes, minutes in all).
+(tagged rehearsal: each section starts stage processes, minutes in all).
 """
 
 import json

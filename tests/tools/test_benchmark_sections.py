@@ -1,7 +1,7 @@
 """tools/benchmark.py end to end on tiny sizes (numbers are not checked).
 
 Most sections start real stage processes (tools/bench/stage_procs.py), so
-these tests also check that every one of them is stopped. Tagged long in
+these tests also check that every one of them is stopped. Tagged rehearsal in
 tests/BUILD (every section starts processes: over 15 minutes on 2 loaded
 cores): `bazel test //tests/...` runs it, CI's quick tier does not;
 test_benchmark.py renders every section from recorded tiny results.
