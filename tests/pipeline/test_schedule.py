@@ -182,6 +182,8 @@ def test_dependencies_hold_under_random_op_times(name, recompute, num_stages,
       assert s >= end[dep] + gap - 1e-12, (k, op, dep)
   for k, ops in enumerate(times):  # A stage runs one op at a time, in order.
     assert all(a[1] <= b[0] for a, b in zip(ops, ops[1:]))
+  if name in ('zb_h1', 'zb_v'):
+    return  # Their memory: tests/pipeline/test_zero_bubble.py.
   if name == 'interleaved':  # Megatron's warm-up, + 1 in steady state.
     limit = [min(2 * (num_stages - k - 1) + num_stages + 1,
                  2 * num_micro_batches) for k in range(num_stages)]
