@@ -17,6 +17,15 @@ RECORDED = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'data',
                         'tiny', 'benchmarks.json')
 
 
+def alive(pid: int) -> bool:
+  """Whether process `pid` still exists (not yet reaped)."""
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  return True
+
+
 def load():
   """The benchmark tool as a module; puts tools/ on sys.path for `bench`."""
   spec = importlib.util.spec_from_file_location('benchmark_tool', TOOL)

@@ -7,7 +7,6 @@ each section end to end at tiny sizes is test_benchmark_sections.py
 """
 
 import json
-import os
 import shutil
 
 import pytest
@@ -56,14 +55,6 @@ def test_section_renders_from_recorded_tiny_results(name, tmp_path):
       assert (tmp_path / filename).stat().st_size > 100, filename
 
 
-def _alive(pid):
-  try:
-    os.kill(pid, 0)
-  except ProcessLookupError:
-    return False
-  return True
-
-
 def test_a_failed_launch_stops_every_task():
   """A stage process that fails takes the others down; nothing is left."""
   spec = {'configs': [{'name': 'bad', 'scope': 'run', 'K': 2, 'M': 2,
@@ -72,7 +63,7 @@ def test_a_failed_launch_stops_every_task():
     stage_procs.launch(spec, 2, timeout_s=300)
   run = stage_procs.launch(spec, 2, allow_failure=True, timeout_s=300)
   assert run.returncode and not run.oom and len(run.pids) == 2
-  assert not any(_alive(pid) for pid in run.pids)
+  assert not any(benchmark_tool.alive(pid) for pid in run.pids)
 
 
 def test_search_brackets_the_largest_fitting_size():

@@ -27,14 +27,6 @@ _EXPECTED['links'] = _EXPECTED['links'] + (
     else benchmark_tool.LINKS_NOT_MEASURED)
 
 
-def _alive(pid):
-  try:
-    os.kill(pid, 0)
-  except ProcessLookupError:
-    return False
-  return True
-
-
 @pytest.mark.parametrize('name', sections.NAMES)
 def test_section_end_to_end_tiny(name, tmp_path):
   assert benchmark.main([name, '--tiny', '--out_dir', str(tmp_path)]) == 0
@@ -66,7 +58,7 @@ def test_stage_processes_none_left_behind(tmp_path):
                     r'\[(\d+), (\d+)\]: exit 0', proc.stderr)
   assert found, proc.stderr[-3000:]
   for pid in map(int, found.groups()):
-    assert not _alive(pid)  # The launcher and both tasks, stopped, reaped.
+    assert not benchmark_tool.alive(pid)  # The launcher and both tasks, stopped, reaped.
   section = json.loads((tmp_path / 'benchmarks.json').read_text())['timeline']
   assert section['devices'].startswith('stage processes')
   gpipe_row = section['rows'][0]
