@@ -100,15 +100,24 @@ class Clock:
     inherit the caller's device); `in_body`: inside a traced stage body."""
     return Clock(self.on, device, in_body)
 
-  def __call__(self, fn: Callable[[], Any], inputs: Sequence[tf.Tensor],
-               outputs: Callable[[Any], Sequence[tf.Tensor]]
-              ) -> tuple[Any, list[tf.Tensor]]:
-    """Runs `fn()`; returns its result and [start, end] stamps (or [])."""
+  def __call__(self, fn: Callable[..., Any], inputs: Sequence[tf.Tensor],
+               outputs: Callable[[Any], Sequence[tf.Tensor]],
+               gate: Any = None) -> tuple[Any, list[tf.Tensor]]:
+    """Runs `fn()`, or `fn(gate)` if `gate` (a nest) is given; returns its
+    result and [start, end] stamps (or []).
+
+    `fn`'s ops wait for the start stamp by a control edge, which TF drops
+    on the call of a function it inlines (the split bodies call traced
+    functions): that call ran before its start stamp, so I was recorded
+    ~0 s long and the simulator's prediction of a zero-bubble step came
+    out 3× short. Such a call reads `gate`, which waits for the stamp by
+    data (identities behind it)."""
     if not self.on:
-      return fn(), []
+      return (fn() if gate is None else fn(gate)), []
     start = self._stamp(list(inputs))
     with tf.control_dependencies([start]):
-      result = fn()
+      result = (fn() if gate is None else
+                fn(dependency.chained(gate, [start])))
     return result, [start, self._stamp(list(outputs(result)))]
 
   def _stamp(self, after: list[tf.Tensor]) -> tf.Tensor:
@@ -117,8 +126,15 @@ class Clock:
     between inter-op threads), by data in the outer graph
     (`dependency.made_after`: Grappler dropped control edges there)."""
     if self.in_body and not tf.executing_eagerly():
-      with tf.device(self.device), tf.control_dependencies(after):
-        return tf.timestamp()
+      with tf.device(self.device):
+        # A control edge from a called function's output starts at the
+        # call, which once inlined signals when its stateful ops are done,
+        # not its outputs: the end stamp of I fired as I began. An
+        # identity of each output is an op of its own.
+        with tf.control_dependencies([
+            tf.identity(t) if isinstance(t, tf.Tensor) else t
+            for t in after]):
+          return tf.timestamp()
     return dependency.made_after(self.device, after, tf.timestamp)
 
 
@@ -213,8 +229,8 @@ class StageBodies:
     with tf.device(self.stage.device):
       x = dependency.chained(x, after)
       (y, stats, saved), times = self.body_clock(
-          lambda: self.split.forward(theta, x, side, m, step),
-          float_leaves(x) or list(after), lambda r: float_leaves(r[0]))
+          lambda x: self.split.forward(theta, x, side, m, step),
+          float_leaves(x) or list(after), lambda r: float_leaves(r[0]), x)
       return y, stats, saved, times
 
   def _split_backward(self, theta: Any, x: Any, side: Any,
@@ -227,11 +243,11 @@ class StageBodies:
     with tf.device(self.stage.device):
       x = dependency.chained(x, list(dys) + list(after))
       saved, r_times = self.body_clock(
-          lambda: self.split.recompute(theta, x, side, m, step),
-          float_leaves(x) or list(dys), list)
+          lambda x: self.split.recompute(theta, x, side, m, step),
+          float_leaves(x) or list(dys), list, x)
       (dx, kept), i_times = self.body_clock(
-          lambda: self.split.input_grad_saved(theta, x, side, saved, dys),
-          r_times[1:] or saved, lambda r: r[0] + r[1])
+          lambda g: self.split.input_grad_saved(theta, x, side, *g),
+          r_times[1:] or saved, lambda r: r[0] + r[1], (saved, dys))
       return dx, kept, r_times + i_times
 
   def _input_grad(self, theta: Any, saved: list[tf.Tensor],
@@ -243,8 +259,8 @@ class StageBodies:
       wait = list(dys) + list(after)
       saved = dependency.chained(saved, wait)
       (dx, kept), times = self.body_clock(
-          lambda: self.split.input_grad_saved(theta, None, None, saved, dys),
-          wait, lambda r: r[0] + r[1])
+          lambda g: self.split.input_grad_saved(theta, None, None, *g),
+          wait, lambda r: r[0] + r[1], (saved, dys))
       return dx, kept, times
 
   def _weight_grad(self, theta: Any, kept: list[tf.Tensor],
@@ -254,8 +270,8 @@ class StageBodies:
     with tf.device(self.stage.device):
       kept = dependency.chained(kept, after)
       return self.body_clock(
-          lambda: self.split.weight_grad(theta, kept, acc),
-          kept or list(after), tf.nest.flatten)
+          lambda kept: self.split.weight_grad(theta, kept, acc),
+          kept or list(after), tf.nest.flatten, kept)
 
   def input_structure(self, saved: list[tf.Tensor]) -> Any:
     """The stage input's structure (TensorSpec leaves) of the split

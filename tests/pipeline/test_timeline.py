@@ -214,3 +214,36 @@ def test_split_backward_records_calibrate_and_draw_on_their_devices(
   assert path.stat().st_size > 0
   with pytest.raises(timeline.TimelineError, match='places 1 stages'):
     timeline.plot_gantt([('measured', recs)], str(path), stage_devices=(0,))
+
+
+def test_split_backward_brackets_hold_their_compute():
+  """Regression: I's end stamp waited, by a control edge, on the call of
+  the traced I function, which once inlined fires when the call's stateful
+  ops are done, not its outputs: I was recorded ~0 s long and its compute
+  fell between I and W, so a zero-bubble step was predicted 3× short. I
+  does about as much work as W here (one matmul per layer each)."""
+  d, n = 256, 4
+  layers = [linear.FCLayer.Params().Set(name=f'fc{i}', input_dim=d,
+                                        output_dim=d) for i in range(n)]
+  net = gpipe.PipeliningLayer.Params().Set(
+      name='net', layers=layers, num_stages=1, num_micro_batches=2,
+      schedule='zb_h1', recompute='never', input_shapes=[[256, d]]
+  ).Instantiate()
+  x = tf.random.stateless_normal([256, d], seed=[1, 2])
+
+  def loss_fn(y, labels):
+    return {'loss': (tf.reduce_mean(tf.square(y - labels)),
+                     tf.constant(1.0))}
+
+  recorder = timeline.StepRecorder(net, (x,), loss_fn,
+                                   labels=tf.zeros([256, d]))
+  recorder()
+  recs = recorder()
+  by_kind = {k: [r.end - r.start for r in recs if r.kind == k]
+             for k in 'FIW'}
+  assert all(len(v) == 2 for v in by_kind.values())
+  assert min(by_kind['I']) > 0.2 * max(by_kind['W']), by_kind
+  # The stamps bracket the device's compute: back to back on one device,
+  # the recorded ops leave little of the span uncovered.
+  busy = sum(r.end - r.start for r in recs)
+  assert busy > 0.6 * max(r.end for r in recs), (busy, recs)
