@@ -5,8 +5,8 @@ books), a joint 8k SentencePiece vocabulary; ~33 pieces per verse, ~97% of
 the training pairs fit in 64 pieces (the rest are dropped in training).
 
 TransformerSmall is the CPU default: a pre-LN 3+3-layer d=256 Transformer
-cut into 2 stages (logical CPU devices), 4 micro-batches per step, batches
-in 3 length buckets. TransformerSmallBf16 is the same in bfloat16 compute,
+cut into 2 stages, 8 micro-batches per step without recompute, batches in 3
+length buckets. TransformerSmallBf16 is the same in bfloat16 compute,
 faster on CPUs with bfloat16 units (AMX, AVX512-BF16). A 60-minute run of
 TransformerSmallBf16 on 2 cores (`--max_train_minutes=60`: 1,971 steps,
 ~7.5 epochs, embeddings then untied) scored test BLEU 17.3 and dev BLEU
@@ -120,6 +120,14 @@ class TransformerSmall(_BibleTransformer):
 
   BUCKETS = ((32, 128), (48, 96), (64, 64))
   BATCH_SIZE = 103  # 27,003 pairs / 262 steps per epoch.
+  # M=8 without recompute: on a 2-core Xeon (AVX512-BF16, no AMX), steady
+  # steps of 2.32 s on 2 stage processes and 2.63 s in one process, against
+  # 3.36 s and 3.07 s at M=4 with recompute (the bubble falls from 1/5 to
+  # 1/9; recompute was a quarter of each stage's busy time, and these
+  # activations fit easily). 2026-11-26, /tmp/mtspeed.sh-style runs of
+  # steps 9-16 (README, "Reproducing README's figures").
+  NUM_MICRO_BATCHES = 8
+  RECOMPUTE = 'never'
 
 
 @model_registry.RegisterSingleTaskModel

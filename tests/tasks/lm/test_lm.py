@@ -23,7 +23,8 @@ SMALL = 'lm.bible_en.TransformerLmSmall'
 UNTIED = 'lm.bible_en.TransformerLmSmallUntied'
 DEEP = 'lm.bible_en.TransformerLmDeep'
 _TINY = dict(VOCAB_SIZE=96, MAX_LEN=8, MODEL_DIM=16, NUM_HEADS=2,
-             HIDDEN_DIM=32, NUM_LAYERS=2, BATCH_SIZE=4, EVAL_BATCH_SIZE=4)
+             HIDDEN_DIM=32, NUM_LAYERS=2, BATCH_SIZE=4, EVAL_BATCH_SIZE=4,
+             NUM_MICRO_BATCHES=4)
 
 
 def test_blocks_predict_every_token_but_the_first_once(lm_data):

@@ -75,12 +75,15 @@ def _fixture_buckets(mt_vocab):
 
 
 @pytest.mark.parametrize('cls,overrides', [
+    # Buckets of 4 pairs: M 8 → 4.
     (bible_en_es.TransformerSmall, dict(NUM_ENCODER_LAYERS=1,
                                         NUM_DECODER_LAYERS=1,
-                                        BUCKETS='fixture')),
+                                        BUCKETS='fixture',
+                                        NUM_MICRO_BATCHES=4)),
     (bible_en_es.TransformerSmallBf16, dict(NUM_ENCODER_LAYERS=1,
                                             NUM_DECODER_LAYERS=1,
-                                            BUCKETS='fixture')),
+                                            BUCKETS='fixture',
+                                            NUM_MICRO_BATCHES=4)),
     # K=8 kept (over the 4 test devices, two stages each); M 32 → 4.
     (bible_en_es.TransformerDeep, dict(NUM_ENCODER_LAYERS=4,
                                        NUM_DECODER_LAYERS=4,
