@@ -8,9 +8,11 @@ The trainer's own `--timeline_steps` on a cluster, as a user runs it:
 
 Each task records its own stage's ops; the chief merges them into one
 picture (measured above predicted) and one Chrome trace, copied here to
-docs/. S is the first step of the longest length bucket whose previous step
-has the same bucket, so the recorded function is warmed up on that shape.
-With --tiny: step 2 of one bucket of 8 pairs (one trace, small steps).
+docs/. S is the second step of the longest length bucket, and the first is
+recorded too (`--timeline_steps=F,S`): the recorded step function is traced
+per shape, and no two steps in a row share the longest bucket, so this is
+what warms it up on that shape. With --tiny: step 2 of one bucket of 8
+pairs (one trace, small steps).
 """
 
 from __future__ import annotations
@@ -35,28 +37,30 @@ TRACE = 'timeline_mt_k2.trace.json'
 _TINY = 'input.bucket_upper_bounds: [64]; input.bucket_batch_sizes: [8]; '
 
 
-def _recorded_step() -> tuple[int, tuple[int, int]]:
-  """(1-based step, its bucket's (length, pairs)) to record."""
+def _recorded_steps() -> tuple[int, int, tuple[int, int]]:
+  """(1-based warm-up step, step to picture, their bucket's (length,
+  pairs)): the longest bucket's first two steps."""
   from lingvo_pipe.core import model_registry  # pylint: disable=g-import-not-at-top
   from lingvo_pipe.tasks.mt import input_generator  # pylint: disable=g-import-not-at-top
   gen = model_registry.get_params(MODEL, 'Train').input.Instantiate()
   buckets = gen._Buckets()  # pylint: disable=protected-access
   cycle = input_generator.bucket_cycle([len(i) // n for _, n, i in buckets])
-  for s in range(1, len(cycle)):
-    if cycle[s] == cycle[s - 1] == len(buckets) - 1:
-      return s + 1, buckets[cycle[s]][:2]
-  raise RuntimeError('no two consecutive steps share the longest bucket')
+  longest = [s + 1 for s, b in enumerate(cycle) if b == len(buckets) - 1]
+  if len(longest) < 2:
+    raise RuntimeError('the longest bucket comes up less than twice a cycle')
+  return longest[0], longest[1], buckets[-1][:2]
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-  step, (length, pairs) = (2, (64, 8)) if args.tiny else _recorded_step()
+  warm, step, (length, pairs) = ((1, 2, (64, 8)) if args.tiny else
+                                  _recorded_steps())
   common.log(f'mt_timeline: step {step} ({pairs} pairs of ≤ {length} pieces)')
   logdir = tempfile.mkdtemp(prefix='mt_timeline_')
   try:
     subprocess.run(
         [sys.executable, '-m', 'lingvo_pipe.launch', '--num_stages=2', '--',
          f'--model={MODEL}', f'--logdir={logdir}', f'--max_steps={step}',
-         f'--timeline_steps={step}', '--model_params_override=' +
+         f'--timeline_steps={warm},{step}', '--model_params_override=' +
          (_TINY if args.tiny else '') +
          'task.train.save_interval_steps: 100000'], check=True, timeout=3600)
     os.makedirs(args.out_dir, exist_ok=True)
