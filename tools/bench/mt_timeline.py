@@ -81,7 +81,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
   return {'step': step, 'bucket': [length, pairs], 'png': PNG,
           'trace': TRACE, 'span_s': max(r.end for r in measured),
           'overlap': timeline.overlap_fraction(measured),
-          'ops': len(measured)}
+          'ops': len(measured),
+          'M': len({r.micro_batch for r in measured}),
+          'recompute': any(r.kind == 'R' for r in measured)}
 
 
 def render(s: dict[str, Any]) -> str:
@@ -89,7 +91,9 @@ def render(s: dict[str, Any]) -> str:
   return '\n'.join([
       f'{MODEL} on 2 stage processes (`lingvo_pipe.launch --num_stages=2`), '
       f'training step {s["step"]} (a bucket of {pairs} pairs of ≤ {length} '
-      'pieces, M=4), recorded by the trainer\'s `--timeline_steps`: each '
+      f'pieces, M={s.get("M", 4)}, '
+      f'{"recompute" if s.get("recompute", True) else "no recompute"}), '
+      'recorded by the trainer\'s `--timeline_steps`: each '
       'task its own stage, merged by the chief; above, measured; below, the '
       'simulator on this step\'s median op times.',
       '',
