@@ -101,10 +101,16 @@ def main(argv: list[str] | None = None) -> int:
           f'{args.rounds}: give sections among {", ".join(FIGURES)} and '
           'rounds ≥ 1.', file=sys.stderr)
     return 2
+  try:
+    revs = {w: _git('rev-parse', '--verify', f'{rev}^{{commit}}')
+            for w, rev in (('old', args.old), ('new', args.new))}
+  except subprocess.CalledProcessError as e:
+    print(f'compare_commits: {e.cmd[-1][:-9]!r} is not a commit of '
+          f'{_ROOT}; give a revision git knows (a hash, a tag, HEAD~3).',
+          file=sys.stderr)
+    return 2
   out_dir = args.out_dir or tempfile.mkdtemp(prefix='lp_compare_')
   work = tempfile.mkdtemp(prefix='lp_trees_')
-  revs = {'old': _git('rev-parse', args.old), 'new': _git('rev-parse',
-                                                          args.new)}
   trees = {w: os.path.join(work, w) for w in revs}
   figures: dict[str, dict[str, dict[str, list[float]]]] = {
       s: {'old': {}, 'new': {}} for s in sections}
@@ -115,8 +121,14 @@ def main(argv: list[str] | None = None) -> int:
       for section in sections:
         print(f'[compare] round {r + 1}: {which} ({revs[which][:7]}) '
               f'{section}', flush=True)
-        got = _run(trees[which], section,
-                   os.path.join(out_dir, f'{which}_{section}_{r + 1}'))
+        where = os.path.join(out_dir, f'{which}_{section}_{r + 1}')
+        try:
+          got = _run(trees[which], section, where)
+        except subprocess.CalledProcessError:
+          print(f'compare_commits: {section} failed on {which} '
+                f'({revs[which][:7]}); its log: {where}/log.txt',
+                file=sys.stderr)
+          return 1
         for name, value in FIGURES[section](got).items():
           figures[section][which].setdefault(name, []).append(value)
   finally:

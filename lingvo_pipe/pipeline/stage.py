@@ -108,10 +108,9 @@ class Clock:
 
     `fn`'s ops wait for the start stamp by a control edge, which TF drops
     on the call of a function it inlines (the split bodies call traced
-    functions): that call ran before its start stamp, so I was recorded
-    ~0 s long and the simulator's prediction of a zero-bubble step came
-    out 3× short. Such a call reads `gate`, which waits for the stamp by
-    data (identities behind it)."""
+    functions), so such a call could start before its stamp. It reads
+    `gate` instead, which waits for the stamp by data (identities behind
+    it). The end stamp's side of the same trap is `_stamp`'s."""
     if not self.on:
       return (fn() if gate is None else fn(gate)), []
     start = self._stamp(list(inputs))

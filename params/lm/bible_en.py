@@ -7,8 +7,8 @@ tokens (`lingvo_pipe.tasks.lm.input_generator`).
 
 TransformerLmSmall is the 2-core quickstart model: 6 causal pre-LN layers,
 d=256, the embedding tied to the softmax, K=2 stages × M=8 micro-batches of
-32 blocks (4,096 tokens a step) without recompute. Sized for a 60-minute run on 2 stage
-processes:
+32 blocks (4,096 tokens a step) without recompute. Sized for a 60-minute
+run on 2 stage processes:
 
     python -m lingvo_pipe.launch --num_stages=2 -- \\
         --model=lm.bible_en.TransformerLmSmall --logdir=/tmp/lm \\

@@ -124,8 +124,10 @@ class TransformerSmall(_BibleTransformer):
   # steps of 2.32 s on 2 stage processes and 2.63 s in one process, against
   # 3.36 s and 3.07 s at M=4 with recompute (the bubble falls from 1/5 to
   # 1/9; recompute was a quarter of each stage's busy time, and these
-  # activations fit easily). 2026-11-26, /tmp/mtspeed.sh-style runs of
-  # steps 9-16 (README, "Reproducing README's figures").
+  # activations fit easily). 2026-11-26: the median of steps 9-16 of
+  # `--max_steps=16` runs, with `--model_params_override=
+  # task.pipeline.num_micro_batches: 4; task.pipeline.recompute: 'always'`
+  # for the old setting.
   NUM_MICRO_BATCHES = 8
   RECOMPUTE = 'never'
 

@@ -16,7 +16,19 @@ import time
 
 import binary_runner as br
 from lingvo_pipe.core import checkpoints
-from test_trainer_cluster import _alive, _finished, _launch, _pids, _train_alone
+from test_trainer_cluster import _finished, _launch, _pids, _train_alone
+
+
+def _alive(pid):
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  try:  # A zombie of a dead child counts as gone.
+    with open(f'/proc/{pid}/stat') as f:
+      return f.read().split(')')[-1].split()[0] != 'Z'
+  except OSError:
+    return False
 
 
 def test_replicas_resume_a_one_process_checkpoint_and_equal_it(tmp_path):

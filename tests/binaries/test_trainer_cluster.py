@@ -90,18 +90,6 @@ def _pids(proc, count, timeout=120):
   return pids
 
 
-def _alive(pid):
-  try:
-    os.kill(pid, 0)
-  except ProcessLookupError:
-    return False
-  try:  # A zombie of a dead child counts as gone.
-    with open(f'/proc/{pid}/stat') as f:
-      return f.read().split(')')[-1].split()[0] != 'Z'
-  except OSError:
-    return False
-
-
 def test_a_batch_that_does_not_split_over_the_replicas_is_one_line(tmp_path):
   proc = br.start('launch', '--num_stages=2', '--num_replicas=3', '--',
                   *_ARGS, f'--logdir={tmp_path / "run"}', '--max_steps=5')

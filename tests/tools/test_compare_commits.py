@@ -50,3 +50,11 @@ def test_bad_sections_exit_2(capsys):
   tool = _load()
   assert tool.main(['HEAD', '--sections=nope']) == 2
   assert 'nope' in capsys.readouterr().err
+
+
+def test_an_unknown_revision_is_one_line_exit_2(capsys):
+  tool = _load()
+  assert tool.main(['no_such_revision_xyz', '--rounds=1']) == 2
+  err = capsys.readouterr().err
+  assert len(err.strip().splitlines()) == 1
+  assert "'no_such_revision_xyz' is not a commit" in err
