@@ -40,14 +40,10 @@ an optimizer update's temporaries); gradients queued between stages when an
 upstream stage's backward runs ahead; constants that Grappler folds into
 the graph; and allocator fragmentation and rounding.
 
-Measured (tools/bench/memory_preflight.py, GPipe, TF's allocator peak of
-one step, each stage alone in its process), predicted ÷ measured: 8 × FC
-512, K=1: 0.97–1.13 with recompute 'always', 1.10–1.26 with 'never'
-(parts of the workspace are never alive together); K=2 last stage:
-0.92–1.09; K=2
-first stage: 0.72–0.85, about 7 MiB (twice the stage's output for the
-whole batch) unexplained, likely tensors sent to the next stage's process
-and not yet received; 4 Transformer layers: 0.58. Leave a margin.
+How close it comes is measured, not stated here: `python tools/benchmark.py
+schedules` prints predicted ÷ measured per stage beside each component
+(docs/benchmarks.md, "Schedules"), and `zero_bubble` does the same for the
+split schedules. Leave a margin.
 
 >>> from lingvo_pipe.core.base_layer import LayerMeta
 >>> metas = [LayerMeta(0, (), param_bytes=4 << 20, out_bytes=8 << 20)] * 4
