@@ -41,16 +41,33 @@ when missing (measured when it was added; the tests named guard them):
                 processes' memory case).
 * `ready`       an int32 zero made after some tensors: a recv adds it to its
                 instance key, so it cannot be posted earlier.
+* `free_loop_body`  builds a `tf.while_loop` whose body has no automatic
+                control dependencies. Inside tf.function, while_v2 traces
+                the body with them, and they end it with a barrier: every
+                value the body returns (the counter too) waits for every
+                stateful op of the iteration, `independent` ones included.
+                On stage processes that made each iteration wait until its
+                peer had taken every send and filled every recv: K=4 1F1B
+                (middle stages receive from both neighbours in one
+                iteration) and K=2 1F1B with recompute, its recvs posted
+                three calls ahead, deadlocked across processes (every
+                transfer timed out; test_stage_processes), and where
+                nothing deadlocked each process's next iteration waited for
+                its peer's. Without them, an op in the body runs once its
+                inputs exist; what must run reaches the loop's outputs (the
+                carried send token, the records, the received values;
+                test_loops checks the body has no barrier).
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Sequence
+import contextlib
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import tensorflow as tf
 
-__all__ = ['chained', 'independent', 'index', 'made_after', 'opaque',
-           'ready', 'token']
+__all__ = ['chained', 'free_loop_body', 'independent', 'index', 'made_after',
+           'opaque', 'ready', 'token']
 
 
 def chained(x: Any, after: Sequence[tf.Tensor]) -> Any:
@@ -76,6 +93,22 @@ def token(device: str, after: Sequence[tf.Tensor], zero: tf.Tensor
   """A scalar (`zero`'s value) that exists once `after` does."""
   with tf.device(device), tf.control_dependencies(list(after)):
     return tf.identity(zero)
+
+
+@contextlib.contextmanager
+def free_loop_body() -> Iterator[None]:
+  """A `tf.while_loop` built in this context traces its body without
+  automatic control dependencies (the module docstring says why). Every
+  stateful op of the body must then reach the loop's outputs, or TF prunes
+  it."""
+  graph = tf.compat.v1.get_default_graph()
+  # while_v2 reads the enclosing graph's flag to decide for the body.
+  before = getattr(graph, '_add_control_dependencies', False)
+  graph._add_control_dependencies = False  # pylint: disable=protected-access
+  try:
+    yield
+  finally:
+    graph._add_control_dependencies = before  # pylint: disable=protected-access
 
 
 def independent(outputs: Iterable[Any]) -> None:

@@ -120,7 +120,7 @@ def emit_loop(ex: Any, loop: loops.Loop, state: Any, feed: Any,
     ex.emit(loop.ops, inner, feed, seeded)
     return [i + 1] + leaves(carry.outputs(inner, carried, i))
 
-  with tf.name_scope(f'loop{len(state.arrays)}'):
+  with tf.name_scope(f'loop{len(state.arrays)}'), dependency.free_loop_body():
     result = tf.while_loop(
         lambda i, *_: i < loop.count, _body,
         [tf.constant(0)] + leaves(initial),

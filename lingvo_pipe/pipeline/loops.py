@@ -193,16 +193,6 @@ def _valid(loop: Loop, io: IO) -> bool:
   return True
 
 
-def _peers_received_from(schedule: Schedule, loop: Loop) -> int:
-  """The most devices one device receives from in one iteration."""
-  sources: dict[int, set[int]] = {}
-  for d, a in loop.ops:
-    if a.kind in ('RECV_F', 'RECV_B'):
-      peer = a.stage - 1 if a.kind == 'RECV_F' else a.stage + 1
-      sources.setdefault(d, set()).add(schedule.device_of(peer))
-  return max((len(s) for s in sources.values()), default=0)
-
-
 def _find(schedule: Schedule, order: Sequence[tuple[int, Action]],
           io: IO, min_count: int, unroll: int) -> list[Segment]:
   blocks = _ticks(schedule, order)
@@ -221,11 +211,7 @@ def _find(schedule: Schedule, order: Sequence[tuple[int, Action]],
       body = blocks[t + period:t + period * (1 + u)]
       loop = Loop([item for b in body for item in b], count,
                   1 if shift > 0 else -1, u * abs(shift))
-      # A stage process receiving from both neighbours in one iteration
-      # (a middle stage of 1F1B at K ≥ 3) hung in TF's collective runtime,
-      # though the order is deadlock-free (actions.Deadlock's dry run):
-      # such a period is emitted action by action. Not yet understood.
-      if _valid(loop, io) and _peers_received_from(schedule, loop) < 2:
+      if _valid(loop, io):
         plain += [item for b in blocks[t:t + period] for item in b]
         segments += [plain, loop]
         plain = []

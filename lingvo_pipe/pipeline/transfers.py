@@ -7,11 +7,12 @@ schedule data like the rest:
 
 * a send follows the action that made its value (an F's output, a B's or
   I's input gradient); nothing waits on it but the step's end;
-* a recv is inserted `lookahead` compute actions of its device before its
-  reader: it is posted once the action before it has finished (a recv
-  posted before its send gets the data as soon as it is sent, one posted
-  after waits a round trip), so the transfer overlaps the actions between,
-  and the stage holds at most `lookahead` + 1 received buffers ahead.
+* a recv is inserted `lookahead` compute calls of its device before its
+  reader (an R and the B after it are one call): it is posted once the
+  action before it has finished (a recv posted before its send gets the
+  data as soon as it is sent, one posted after waits a round trip), so the
+  transfer overlaps the calls between, and the stage holds at most
+  `lookahead` + 1 received buffers ahead.
 
 `buffers` counts, off the lists, the boundary buffers a stage holds at once:
 the memory model's `transfers` component.
@@ -41,10 +42,14 @@ def insert(schedule: Schedule, crosses: Callable[[int, int], bool] | None = None
   base = schedule.compute()
   out = []
   for ops in base.actions:
+    slots = _slots(ops)
+    first = {}  # Slot → the index of its first action.
+    for i, slot in enumerate(slots):
+      first.setdefault(slot, i)
     recvs: dict[int, list[Action]] = {}
     for i, a in enumerate(ops):
       for recv in _recvs_for(base, a, crosses):
-        recvs.setdefault(max(0, i - lookahead), []).append(recv)
+        recvs.setdefault(first[max(0, slots[i] - lookahead)], []).append(recv)
     device_ops: list[Action] = []
     for i, a in enumerate(ops):
       device_ops += recvs.get(i, [])
@@ -81,6 +86,21 @@ def buffers(schedule: Schedule, stage: int) -> dict[str, int]:
     for side in readers.pop(a, []):
       waiting[side] -= 1
   return {side: peak[side] + sends[side] for side in peak}
+
+
+def _slots(ops: tuple[Action, ...]) -> list[int]:
+  """Each action's place in its device's order, counting an R and the B
+  (or I) of its micro-batch right after it as one: the executor runs the
+  two as one call, so lookahead counted in actions would post a
+  recompute schedule's recvs one call ahead where three were meant."""
+  slots, slot = [], -1
+  for i, a in enumerate(ops):
+    prev = ops[i - 1] if i else None
+    if not (prev is not None and prev.kind == 'R' and a.kind in ('B', 'I')
+            and (prev.stage, prev.micro_batch) == (a.stage, a.micro_batch)):
+      slot += 1
+    slots.append(slot)
+  return slots
 
 
 def _recvs_for(schedule: Schedule, a: Action,

@@ -204,6 +204,35 @@ def test_looped_and_op_by_op_fc_steps_agree_at_m16(schedule):
   assert stacks.max_rel_diff(*grads) <= 1e-6
 
 
+def test_a_loop_body_does_not_wait_for_its_stateful_ops():
+  # tf.function ends a while body with a barrier: every value it returns
+  # waits on a NoOp behind each stateful op of the iteration. On stage
+  # processes those are the transfers: each iteration waited until its
+  # peer had taken every send, and two processes deadlocked
+  # (dependency.free_loop_body).
+  def _body(theta, x):  # tf.timestamp(): a stateful stage call.
+    return (x[0] * theta[0] + tf.cast(0. * tf.timestamp(), tf.float32),)
+  stages = [Stage(_body, [tf.Variable(1.0 + s)], stacks.DEVICES[s])
+            for s in range(2)]
+
+  @tf.function
+  def _step():
+    with fprop_context.scope(training=True, step=0):
+      return engine.run_with_loss(
+          stages, (tf.ones([16, 3]),), tf.zeros([16]),
+          lambda y, _: {'loss': (tf.reduce_sum(y), tf.constant(1.))},
+          schedule_lib.make_schedule('1f1b', 2, 16), loop=True)
+  library = _step.get_concrete_function().graph.as_graph_def().library
+  bodies = [f for f in library.function if '_body_' in f.signature.name]
+  assert bodies
+  for f in bodies:
+    assert any(n.op == 'StatefulPartitionedCall' for n in f.node_def), (
+        f.signature.name)  # Else there is nothing to wait on.
+    barriers = [n.name for n in f.node_def if n.op == 'NoOp' and
+                any(i.startswith('^') for i in n.input)]
+    assert not barriers, (f.signature.name, barriers)
+
+
 def _scale_stages(k: int) -> list[Stage]:
   """K stages, each multiplying its input by its own weight."""
   stages = []

@@ -86,19 +86,20 @@ def test_stage_processes_hold_transfers_in_flight():
   # 3): GPipe, K=2, M=4. Device 1 posts RECV_F0..3 before F0 (each 3
   # compute actions ahead of its reader, none before the first): 4 inputs
   # at once, + the input gradient it sends = 5 on its input side. Device 0
-  # posts RECV_B3 and RECV_B2 before R3 (its readers R3, R2 at positions
-  # 4 and 6): 2 output gradients at once, + the output it sends = 3.
+  # runs F0..F3, then R3+B3, R2+B2, … as one call each (calls 4, 5, 6, 7),
+  # so it posts RECV_B3, B2, B1 before F1, F2, F3 and RECV_B0 before R3: 4
+  # output gradients at once, + the output it sends = 5.
   assert actions.RECV_LOOKAHEAD == 3
   wired = schedule.gpipe_schedule(2, 4).with_transfers()
   assert [wired.transfer_buffers(s) for s in (0, 1)] == [
-      {'input': 0, 'output': 3}, {'input': 5, 'output': 0}]
+      {'input': 0, 'output': 5}, {'input': 5, 'output': 0}]
   # Boundary after layer 1 (8 MiB for the batch): 2 MiB per micro-batch.
   metas = _metas(4, 8 * MIB, param_bytes=3 * MIB)
   pred = memory.predict(metas, [0, 1, 4], 4, input_bytes=2 * MIB,
                         stage_processes=True)
-  assert [s.transfers for s in pred.stages] == [3 * 2 * MIB, 5 * 2 * MIB]
+  assert [s.transfers for s in pred.stages] == [5 * 2 * MIB, 5 * 2 * MIB]
   assert pred.stages[0].total == memory.predict(
-      metas, [0, 1, 4], 4, input_bytes=2 * MIB).stages[0].total + 6 * MIB
+      metas, [0, 1, 4], 4, input_bytes=2 * MIB).stages[0].total + 10 * MIB
   three = memory.predict(metas, [0, 1, 2, 4], 4, input_bytes=2 * MIB,
                          stage_processes=True)
   middle = schedule.gpipe_schedule(3, 4).with_transfers().transfer_buffers(1)

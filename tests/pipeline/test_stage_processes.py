@@ -33,7 +33,8 @@ import stage_runs  # pylint: disable=g-bad-import-order
     ('conv_bn', 2, 2, 2, '1f1b', 'always'),  # R=2 × K=2 = R=1 × K=2, M=4.
     ('nested', 2, 1, 4, 'interleaved', 'never'),
     # Middle stages receive from both neighbours; at M=8 such a period hung
-    # as a loop (loops.py emits it action by action).
+    # as a loop while each iteration waited for all its transfers
+    # (dependency.free_loop_body).
     ('nested', 4, 1, 8, '1f1b', 'except_last'),
     ('conv_bn', 2, 1, 4, 'gpipe', 'needed'),  # Kept F3 on both stages.
     # M=8: the steady state runs as loops in each process.
