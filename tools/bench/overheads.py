@@ -77,7 +77,7 @@ def _versus(spec: common.NetSpec, device: str,
                                    update=common.sgd_update)
   recorder()
   cost = timeline.calibrated_costs(recorder())[0]
-  f, r, b = (cost.time(kind) for kind in timeline.KINDS)
+  f, r, b = (cost.time(kind) for kind in ('F', 'R', 'B'))
   return out, {'F': f, 'R': r, 'B': b, 'implied_ratio': (f + r + b) / (f + b)}
 
 
