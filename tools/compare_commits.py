@@ -101,14 +101,14 @@ def main(argv: list[str] | None = None) -> int:
           f'{args.rounds}: give sections among {", ".join(FIGURES)} and '
           'rounds ≥ 1.', file=sys.stderr)
     return 2
-  try:
-    revs = {w: _git('rev-parse', '--verify', f'{rev}^{{commit}}')
-            for w, rev in (('old', args.old), ('new', args.new))}
-  except subprocess.CalledProcessError as e:
-    print(f'compare_commits: {e.cmd[-1][:-9]!r} is not a commit of '
-          f'{_ROOT}; give a revision git knows (a hash, a tag, HEAD~3).',
-          file=sys.stderr)
-    return 2
+  revs = {}
+  for which, rev in (('old', args.old), ('new', args.new)):
+    try:
+      revs[which] = _git('rev-parse', '--verify', f'{rev}^{{commit}}')
+    except subprocess.CalledProcessError:
+      print(f'compare_commits: {rev!r} is not a commit of {_ROOT}; give a '
+            'revision git knows (a hash, a tag, HEAD~3).', file=sys.stderr)
+      return 2
   out_dir = args.out_dir or tempfile.mkdtemp(prefix='lp_compare_')
   work = tempfile.mkdtemp(prefix='lp_trees_')
   trees = {w: os.path.join(work, w) for w in revs}

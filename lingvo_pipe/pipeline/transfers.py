@@ -25,6 +25,7 @@ the memory model's `transfers` component.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 from typing import Callable
 
@@ -42,14 +43,12 @@ def insert(schedule: Schedule, crosses: Callable[[int, int], bool] | None = None
   base = schedule.compute()
   out = []
   for ops in base.actions:
-    slots = _slots(ops)
-    first = {}  # Slot → the index of its first action.
-    for i, slot in enumerate(slots):
-      first.setdefault(slot, i)
+    slots = _slots(ops)  # Ascending: the first action of a slot bisects.
     recvs: dict[int, list[Action]] = {}
     for i, a in enumerate(ops):
       for recv in _recvs_for(base, a, crosses):
-        recvs.setdefault(first[max(0, slots[i] - lookahead)], []).append(recv)
+        at = bisect.bisect_left(slots, max(0, slots[i] - lookahead))
+        recvs.setdefault(at, []).append(recv)
     device_ops: list[Action] = []
     for i, a in enumerate(ops):
       device_ops += recvs.get(i, [])
