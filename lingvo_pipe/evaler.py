@@ -11,12 +11,13 @@ mode: no micro-batches, no recompute, BatchNorm on its moving averages.
 Exactly once: each scored checkpoint gets a JSON score file in
 `logdir/eval_<dataset>/` (step, metrics, number of examples, checkpoint path,
 wall time), written atomically, and a checkpoint with a score file is never
-scored again, across restarts too. Only checkpoints listed in the trainer's
-`checkpoint` state file are read (it lists a checkpoint only once written);
-one deleted before or while it is read (the trainer keeps only the last few)
-is logged and skipped, and each checkpoint is restored through a fresh
-`tf.train.Checkpoint`, so a failed restore leaves nothing pending for the
-next. TensorBoard summaries go to the same directory.
+scored again, across restarts too (`--checkpoint=STEP` scores just that
+one, say to compare two runs at the same step). Only checkpoints listed in
+the trainer's `checkpoint` state file are read (it lists a checkpoint only
+once written); one deleted before or while it is read (the trainer keeps
+only the last few) is logged and skipped, and each checkpoint is restored
+through a fresh `tf.train.Checkpoint`, so a failed restore leaves nothing
+pending for the next. TensorBoard summaries go to the same directory.
 
 A checkpoint is never scored as a result unless every weight is finite (a
 trainer of this version never saves one that is not, but an older one did).
@@ -70,6 +71,10 @@ _MODE = flags.DEFINE_enum(
     'mode', 'latest', ['latest', 'all', 'continuous'], 'latest: the newest '
     'checkpoint; all: every checkpoint, oldest first; continuous: wait for '
     'new ones until one at or past task.train.max_steps is scored.')
+_CHECKPOINT = flags.DEFINE_string(
+    'checkpoint', '', 'Score this one listed checkpoint instead (its step, '
+    'e.g. 1500, or its name, ckpt-1500), say to compare two runs at the same '
+    'step; not with --mode=continuous.')
 _OVERRIDE = flags.DEFINE_string(
     'model_params_override', '', 'Params overrides ("path : value" separated '
     'by ";"), applied after logdir/params.txt.')
@@ -214,6 +219,28 @@ class Evaler:
     for ckpt in todo:
       self.score(ckpt)
 
+  def run_one(self, which: str) -> None:
+    """Scores the listed checkpoint `which` (a step or a name), once."""
+    listed = checkpoints.list_checkpoints(self._logdir)
+    name = os.path.basename(which.rstrip('/'))
+    wanted = [c for c in listed if name in (os.path.basename(c),
+                                            str(checkpoints.step_of(c)))]
+    if not wanted:
+      steps = ', '.join(str(checkpoints.step_of(c)) for c in listed)
+      raise _cli.UserError(
+          f'--checkpoint={which}: no such checkpoint is listed in '
+          f'{os.path.join(self._logdir, checkpoints.STATE_FILE)} (listed '
+          f'steps: {steps or "none"}); pass one of those steps.')
+    ckpt = wanted[0]
+    if ckpt not in self.unscored():
+      logging.info('%s is already scored: %s.', ckpt,
+                   _score_path(self.score_dir, ckpt))
+      return
+    if self.score(ckpt) is None:
+      raise checkpoints.CheckpointError(
+          f'{ckpt} was deleted before it could be read (the trainer keeps '
+          'only its newest checkpoints); pass a newer step.')
+
   def run_continuous(self, poll_secs: float, deadline: float | None) -> None:
     """Scores new checkpoints until one at or past max_steps is scored."""
     max_steps = self._params.task.train.max_steps
@@ -291,6 +318,10 @@ def _main(argv: list[str]) -> None:
     if not _LOGDIR.value:
       raise _cli.UserError('--logdir is required: the trainer\'s logdir.')
     logdir = _LOGDIR.value
+    if _CHECKPOINT.value and _MODE.value == 'continuous':
+      raise _cli.UserError(
+          f'--checkpoint={_CHECKPOINT.value} scores one checkpoint, '
+          '--mode=continuous waits for new ones: drop one of the two.')
     _cli.check_writable_dir(score_dir(logdir, _DATASET.value))
     deadline = (time.monotonic() + _TIMEOUT_SECS.value
                 if _TIMEOUT_SECS.value > 0 else None)
@@ -298,7 +329,9 @@ def _main(argv: list[str]) -> None:
       _wait_for_params(logdir, _POLL_SECS.value, deadline)
     params = build_params(logdir, _DATASET.value)
     evaler = Evaler(params, logdir, _DATASET.value)
-    if _MODE.value == 'continuous':
+    if _CHECKPOINT.value:
+      evaler.run_one(_CHECKPOINT.value)
+    elif _MODE.value == 'continuous':
       evaler.run_continuous(_POLL_SECS.value, deadline)
     else:
       evaler.run_once(latest_only=_MODE.value == 'latest')

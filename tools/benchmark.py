@@ -12,9 +12,10 @@ zero_bubble); Keras models (keras: a wrapped Keras CNN vs the same network
 in lingvo_pipe layers); several hosts (links: K=2 over rate-limited links
 between hosts made of network namespaces, as root; the simulator at scale
 on paper); mt_timeline (a translation step on 2 stage processes,
---timeline_steps merged). Each writes
-its section into docs/benchmarks.json and re-renders docs/benchmarks.md
-(plus PNGs) from it. `all` runs each sub-command in its own child process,
+--timeline_steps merged); training (the translation and language models'
+60-minute runs and test scores: four hours, so `all` leaves it out).
+Each writes its section into docs/benchmarks.json and re-renders
+docs/benchmarks.md (plus PNGs) from it. `all` runs each sub-command in its own child process,
 so the allocator and TF runtime of one section cannot leak into the next;
 speed and memory come from stage processes that each section starts
 (stage_procs.py), one per stage and replica, pinned to cores.
@@ -31,6 +32,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from typing import Any
 
@@ -60,6 +62,10 @@ def _parser() -> argparse.ArgumentParser:
   parser.add_argument('--rounds', type=int, default=0, help='Independent '
                       'runs of the sections that repeat themselves '
                       '(efficiency, fidelity; 0 = 3, or 1 with --tiny).')
+  parser.add_argument('--runs_dir', default=os.path.join(
+      tempfile.gettempdir(), 'lingvo_pipe_training'), help='training: the '
+                      'runs\' logdirs; a finished one is scored, not trained '
+                      'again.')
   parser.add_argument('--out_dir', default=os.path.join(_ROOT, 'docs'),
                       help='Where benchmarks.json/.md and the PNGs go.')
   return parser
@@ -86,6 +92,8 @@ def _run_all(args: argparse.Namespace, argv: list[str]) -> int:
   start = time.time()
   rest = argv[1:]
   for name in sections.NAMES:
+    if name in sections.NOT_IN_ALL:
+      continue
     cmd = [sys.executable, os.path.abspath(__file__), name] + rest
     child = subprocess.Popen(cmd)
     try:

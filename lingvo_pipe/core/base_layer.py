@@ -46,8 +46,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
-import math
 import numbers
 import re
 import threading
@@ -58,6 +56,7 @@ import tensorflow as tf
 
 from lingvo_pipe import errors
 from lingvo_pipe.core import fprop_context
+from lingvo_pipe.core import weight_init
 from lingvo_pipe.core.fprop_context import FPropContext, StatsCollector
 from lingvo_pipe.core.hyperparams import InstantiableParams, Params
 from lingvo_pipe.core.nested_map import NestedMap
@@ -69,110 +68,13 @@ __all__ = [
 ]
 
 DEFAULT_RANDOM_SEED = 1234
+WeightInit = weight_init.WeightInit
+WeightParams = weight_init.WeightParams
+stable_seed = weight_init.stable_seed
 
 
 class LayerError(errors.LingvoPipeError):
   """Bad params or inputs for a layer; the message names the layer path."""
-
-
-# ---- Weight initialisation ------------------------------------------------
-class WeightInit:
-  """Initialiser specs, as Params so they print and parse with the model.
-
-  `method` is one of 'gaussian' (stddev=scale), 'truncated_gaussian',
-  'uniform' (±scale), 'xavier' (Glorot uniform × scale), 'he' (Kaiming normal
-  × scale, for ReLU), 'constant' (every value = scale).
-  """
-
-  METHODS = ('gaussian', 'truncated_gaussian', 'uniform', 'xavier', 'he',
-             'constant')
-
-  @staticmethod
-  def _Make(method: str, scale: float) -> Params:
-    p = Params()
-    p.Define('method', method, f'One of {WeightInit.METHODS}.')
-    p.Define('scale', float(scale), 'Stddev, range, gain or constant value.')
-    return p
-
-  @staticmethod
-  def Gaussian(scale: float = 1.0) -> Params:
-    return WeightInit._Make('gaussian', scale)
-
-  @staticmethod
-  def TruncatedGaussian(scale: float = 1.0) -> Params:
-    return WeightInit._Make('truncated_gaussian', scale)
-
-  @staticmethod
-  def Uniform(scale: float = 1.0) -> Params:
-    return WeightInit._Make('uniform', scale)
-
-  @staticmethod
-  def Xavier(scale: float = 1.0) -> Params:
-    return WeightInit._Make('xavier', scale)
-
-  @staticmethod
-  def He(scale: float = 1.0) -> Params:
-    return WeightInit._Make('he', scale)
-
-  @staticmethod
-  def Constant(scale: float = 0.0) -> Params:
-    return WeightInit._Make('constant', scale)
-
-
-def WeightParams(shape: Sequence[int],
-                 init: Params | None = None,
-                 dtype: tf.DType | None = None,
-                 trainable: bool = True) -> Params:
-  """Describes one variable: shape, initialiser, dtype, trainable."""
-  p = Params()
-  p.Define('shape', list(shape), 'Variable shape.')
-  p.Define('init', init, 'A WeightInit spec; None uses the layer\'s '
-           'params_init.')
-  p.Define('dtype', dtype, 'Variable dtype; None uses the layer\'s dtype.')
-  p.Define('trainable', trainable, 'False for statistics such as BatchNorm '
-           'moving averages.')
-  return p
-
-
-def stable_seed(*parts: Any) -> tf.Tensor:
-  """A [2] int64 seed for stateless RNG ops from a stable hash of `parts`."""
-  digest = hashlib.md5('/'.join(str(x) for x in parts).encode()).digest()
-  a = int.from_bytes(digest[:4], 'little') & 0x7FFFFFFF
-  b = int.from_bytes(digest[4:8], 'little') & 0x7FFFFFFF
-  return tf.constant([a, b], dtype=tf.int64)
-
-
-def _fans(shape: Sequence[int]) -> tuple[int, int]:
-  if not shape:
-    return 1, 1
-  if len(shape) == 1:
-    return shape[0], shape[0]
-  receptive = int(np.prod(shape[:-2])) if len(shape) > 2 else 1
-  return shape[-2] * receptive, shape[-1] * receptive
-
-
-def _initial_value(shape: list[int], init: Params, dtype: tf.DType,
-                   seed: tf.Tensor) -> tf.Tensor:
-  method, scale = init.method, init.scale
-  fan_in, fan_out = _fans(shape)
-  if method == 'constant':
-    return tf.fill(shape, tf.cast(scale, dtype))
-  if method == 'gaussian':
-    return tf.random.stateless_normal(shape, seed, stddev=scale, dtype=dtype)
-  if method == 'truncated_gaussian':
-    return tf.random.stateless_truncated_normal(
-        shape, seed, stddev=scale, dtype=dtype)
-  if method == 'uniform':
-    return tf.random.stateless_uniform(
-        shape, seed, -scale, scale, dtype=dtype)
-  if method == 'xavier':
-    limit = scale * math.sqrt(6.0 / (fan_in + fan_out))
-    return tf.random.stateless_uniform(shape, seed, -limit, limit, dtype=dtype)
-  if method == 'he':
-    stddev = scale * math.sqrt(2.0 / fan_in)
-    return tf.random.stateless_normal(shape, seed, stddev=stddev, dtype=dtype)
-  raise LayerError(f'Unknown WeightInit method {method!r}; use one of '
-                   f'{WeightInit.METHODS}.')
 
 
 # ---- Cost record ------------------------------------------------------------
@@ -451,7 +353,10 @@ class BaseLayer(tf.Module):
     init = wp.init or self._params.params_init
     shape = [int(d) for d in wp.shape]
     seed = stable_seed(self._random_seed, self.path, name)
-    value = _initial_value(shape, init, dtype, seed)
+    if init.method not in WeightInit.METHODS:
+      raise LayerError(f'{self.path}.{name}: unknown WeightInit method '
+                       f'{init.method!r}; use one of {WeightInit.METHODS}.')
+    value = weight_init.initial_value(shape, init, dtype, seed)
     return tf.Variable(value, trainable=wp.trainable,
                        name=re.sub(r'[^\w./-]', '_', f'{self.path}/{name}'))
 

@@ -21,7 +21,7 @@ def _scores(score_dir):
 def eval_runs(trained_logdir, tmp_path_factory):
   tmp = tmp_path_factory.mktemp('eval')
   copies = {}
-  for name in ('all', 'latest', 'deleted'):
+  for name in ('all', 'latest', 'deleted', 'one'):
     copies[name] = tmp / name
     shutil.copytree(trained_logdir, copies[name])
   for suffix in ('.index', '.data-00000-of-00001'):  # Listed, then deleted.
@@ -31,6 +31,7 @@ def eval_runs(trained_logdir, tmp_path_factory):
       ('evaler', (f'--logdir={copies["latest"]}', '--mode=latest',
                   '--eval_dataset=Test', f'--model={br.MODEL}')),
       ('evaler', (f'--logdir={copies["deleted"]}', '--mode=all')),
+      ('evaler', (f'--logdir={copies["one"]}', '--checkpoint=20')),
   ]
   results = dict(zip(copies, br.run_many(runs)))
   return results, copies
@@ -73,6 +74,32 @@ def test_latest_scores_only_the_newest_on_test(eval_runs):
   assert list(scores) == ['ckpt-30.json']
   assert scores['ckpt-30.json']['num_examples'] == 500
   assert not (copies['latest'] / 'eval_dev').exists()
+
+
+def test_checkpoint_scores_that_one_once_and_a_missing_one_is_refused(
+    eval_runs):
+  results, copies = eval_runs
+  rc, _, err = results['one']
+  assert rc == 0, err
+  scores = _scores(copies['one'] / 'eval_dev')
+  assert list(scores) == ['ckpt-20.json']
+  assert scores['ckpt-20.json'] == _scores(copies['all'] / 'eval_dev')[
+      'ckpt-20.json'] | {'checkpoint': str(copies['one'] / 'ckpt-20'),
+                          'eval_seconds': scores['ckpt-20.json'][
+                              'eval_seconds'],
+                          'wall_time': scores['ckpt-20.json']['wall_time']}
+  before = br.tree(copies['one'])
+  rc, _, err = br.run('evaler', f'--logdir={copies["one"]}',
+                      '--checkpoint=ckpt-20')
+  assert rc == 0, err
+  assert 'already scored' in err
+  assert br.tree(copies['one']) == before
+  rc, _, err = br.run('evaler', f'--logdir={copies["one"]}',
+                      '--checkpoint=25')
+  assert rc == 2
+  assert re.search(r'--checkpoint=25: no such checkpoint .*listed steps: '
+                   r'10, 20, 30\); pass one of those steps', err), err
+  assert br.tree(copies['one']) == before
 
 
 def test_a_listed_checkpoint_deleted_before_reading_is_skipped(eval_runs):

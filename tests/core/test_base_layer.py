@@ -327,7 +327,8 @@ def test_layer_params_init_and_dtypes():
                                 np.full([2, 2], 0.5))
   v = Holds.Params().Set(var_dtype=tf.float64).Instantiate().vars.w
   assert v.dtype == tf.float64
-  with pytest.raises(LayerError, match="Unknown WeightInit method 'bogus'"):
+  with pytest.raises(LayerError, match=r"\.w: unknown WeightInit method "
+                     r"'bogus'; use one of"):
     Holds.Params().Set(init=WeightInit.Xavier().Set(
         method='bogus')).Instantiate()
 

@@ -8,9 +8,9 @@ end to end at tiny sizes: tagged rehearsal).
 import importlib.util
 import os
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__))))
-TOOL = os.path.join(_ROOT, 'tools', 'benchmark.py')
+TOOL = os.path.join(ROOT, 'tools', 'benchmark.py')
 # Tiny results of every section, recorded by `python tools/benchmark.py
 # NAME --tiny --out_dir tests/tools/data/tiny` (only benchmarks.json is kept).
 RECORDED = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'data',
@@ -74,6 +74,10 @@ EXPECTED = {
                     'both processes busy at once'],
     'keras': ['| network | first call (s) | step (s) |', '| wrapped Keras |',
               'wrapped Keras ÷ lingvo_pipe layers, step time'],
+    'training': ['| model | runtime | steps | trained (min) | test BLEU',
+                 'At step 2, the last checkpoint both translation runs',
+                 'test BLEU, 2 stage processes − one process',
+                 'test perplexity, tied − untied', 'Commands, in this order'],
     # The paper part; the measured part needs network namespaces (root).
     'links': ['| 32 | 8 | 6.56 | 6.3 | 3.48 | 4.95 |',
               'Between hosts 10 Gbit/s'],

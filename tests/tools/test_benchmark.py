@@ -7,6 +7,8 @@ each section end to end at tiny sizes is test_benchmark_sections.py
 """
 
 import json
+import os
+import re
 import shutil
 
 import pytest
@@ -19,6 +21,7 @@ from bench import report  # pylint: disable=C0413
 from bench import sections  # pylint: disable=C0413
 from bench import stage_procs  # pylint: disable=C0413
 from bench import table1  # pylint: disable=C0413
+from bench import training  # pylint: disable=C0413
 
 
 def _recorded() -> dict:
@@ -105,3 +108,18 @@ def test_stale_section_renders_a_rerun_hint():
                        [('overheads', 'Overheads', lambda s: s['op_s'])])
   assert 'python tools/benchmark.py overheads' in text
   assert 'predate' in text
+
+
+
+def test_training_runs_readmes_commands_and_all_leaves_it_out():
+  """The training section trains with the commands README prints (any
+  logdir); `all` (about 35 minutes) does not start its four hours."""
+  with open(os.path.join(benchmark_tool.ROOT, 'README.md'),
+            encoding='utf-8') as f:
+    readme = f.read()
+  for run in training.RUNS:
+    cmd = training._shown(training._train_command(  # pylint: disable=protected-access
+        run, 'LOGDIR', tiny=False))
+    before, after = cmd.split('LOGDIR')
+    assert re.search(re.escape(before) + r'\S+' + re.escape(after), readme), cmd
+  assert sections.NOT_IN_ALL == ('training',)

@@ -22,6 +22,7 @@ from bench import slices
 from bench import split_bench
 from bench import table1
 from bench import timeline_bench
+from bench import training
 from bench import tracing
 from bench import zero_bubble
 
@@ -52,12 +53,17 @@ _SECTIONS = {
                     'torch', zero_bubble),
     'mt_timeline': ('A translation step on 2 stage processes '
                     '(--timeline_steps, merged)', mt_timeline),
+    'training': ('60-minute training runs: translation on 2 stage processes '
+                 'vs one, the language model tied vs untied', training),
 }
 NAMES = tuple(_SECTIONS)
 TITLES = tuple(title for title, _ in _SECTIONS.values())
+NOT_IN_ALL = ('training',)  # Four hours: run it on its own.
 # Where a section ran, unless it says so itself: most start stage processes.
 _DEVICES = {'partition': 'this process (single-threaded TF; each stage\'s '
-                         'layers timed alone, by CPU time)'}
+                         'layers timed alone, by CPU time)',
+            'training': 'the binaries, as a user runs them (one run at a '
+                        'time)'}
 _STAGE_PROCESSES = ('stage processes started by `lingvo_pipe.launch` (one '
                     'per stage and replica, task i pinned to core i mod 2)')
 
