@@ -15,6 +15,7 @@ are parsed.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import logging
@@ -23,7 +24,7 @@ import re
 import sys
 import tempfile
 import types
-from typing import Sequence
+from typing import Iterator, Sequence
 
 from lingvo_pipe import extras
 
@@ -65,7 +66,8 @@ def import_tensorflow(argv: Sequence[str]) -> None:
         "lingvo_pipe needs TensorFlow, which is not installed: pip install "
         "'lingvo_pipe[cpu]' (CPU) or 'lingvo_pipe[gpu]' (GPU).")
   if requested_verbosity(argv) >= 1:
-    importlib.import_module('tensorflow')
+    with _keras_without_pyplot():
+      importlib.import_module('tensorflow')
     return
   os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
   sys.stderr.flush()
@@ -73,7 +75,8 @@ def import_tensorflow(argv: Sequence[str]) -> None:
   with tempfile.TemporaryFile() as captured:
     os.dup2(captured.fileno(), 2)
     try:
-      importlib.import_module('tensorflow')
+      with _keras_without_pyplot():
+        importlib.import_module('tensorflow')
     finally:
       os.dup2(saved, 2)
       os.close(saved)
@@ -82,6 +85,31 @@ def import_tensorflow(argv: Sequence[str]) -> None:
       kept = [line for line in text.splitlines() if not _BANNER.match(line)]
       if kept:
         sys.stderr.write('\n'.join(kept) + '\n')
+
+
+@contextlib.contextmanager
+def _keras_without_pyplot() -> Iterator[None]:
+  """While TensorFlow loads, `import matplotlib.pyplot` fails.
+
+  `import tensorflow` imports Keras, and Keras 3 imports matplotlib.pyplot
+  at import time when matplotlib is installed (the `[plots]` extra), for its
+  image-gallery helpers: about 1.5 s of every process's start (binaries,
+  stage processes, tests), for a module none of them uses. Keras catches
+  the ImportError and leaves those helpers without pyplot; once TensorFlow
+  is in, pyplot imports as usual (tools/bench/plots.py draws with it). A
+  lazy module does not work here: Python 3.11's import statement reads
+  `__spec__` of a module already in sys.modules, which loads it.
+  """
+  name = 'matplotlib.pyplot'
+  if name in sys.modules:
+    yield
+    return
+  sys.modules[name] = None  # type: ignore[assignment]
+  try:
+    yield
+  finally:
+    if name in sys.modules and sys.modules[name] is None:
+      del sys.modules[name]
 
 
 class _DropLibraryInfo(logging.Filter):

@@ -10,7 +10,10 @@ os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
 # does). With oneDNN off (AMD CI) the default CPU allocator keeps no stats.
 os.environ.setdefault('TF_CPU_ALLOCATOR_USE_BFC', 'true')
 
-import numpy as np
+from lingvo_pipe import _startup  # pylint: disable=g-import-not-at-top
+_startup.import_tensorflow(['pytest'])  # Without Keras's pyplot: ~1.5 s less.
+
+import numpy as np  # pylint: disable=g-import-not-at-top
 import pytest
 import tensorflow as tf
 

@@ -53,6 +53,8 @@ import sys
 import time
 from typing import Any, Callable
 
+from lingvo_pipe import _startup  # pylint: disable=g-import-not-at-top,C0413
+_startup.import_tensorflow(sys.argv)  # Without Keras's pyplot: ~1.5 s less.
 from absl import app
 from absl import flags
 
