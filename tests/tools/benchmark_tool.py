@@ -75,7 +75,8 @@ EXPECTED = {
     'keras': ['| network | first call (s) | step (s) |', '| wrapped Keras |',
               'wrapped Keras ÷ lingvo_pipe layers, step time'],
     'training': ['| model | runtime | steps | trained (min) | test BLEU',
-                 'At step 2, the last checkpoint both translation runs',
+                 'At step 2, the last checkpoint both kept: mt_k2 BLEU',
+                 'lm_tied perplexity',
                  'test BLEU, 2 stage processes − one process',
                  'test perplexity, tied − untied', 'Commands, in this order'],
     # The paper part; the measured part needs network namespaces (root).

@@ -5,11 +5,12 @@ runs them, one after the other (each has the whole machine):
 
 - mt.bible_en_es.TransformerSmall on 2 stage processes and in one process
   (`--max_steps=100000`: the config's own 1,000 steps end in ~40 minutes);
-  the target is test BLEU on 2 stage processes ≥ one process's − 0.5. Both
-  are also scored at the last checkpoint step they share (`evaler
-  --checkpoint`), which separates quality per step from steps per hour;
+  the target is test BLEU on 2 stage processes ≥ one process's − 0.5;
 - lm.bible_en.TransformerLmSmall and its Untied twin on 2 stage processes;
   the target is a tied test perplexity ≤ the untied one's.
+
+Each pair is also scored at the last checkpoint step both runs kept
+(`evaler --checkpoint`): quality per step, apart from steps per hour.
 
 Each run is `--max_train_minutes=60`, then `evaler --eval_dataset=Test
 --mode=latest`. Four hours in all, so `benchmark.py all` leaves this section
@@ -65,7 +66,9 @@ _TARGETS = (('mt_k2', 'mt_one', 'test BLEU, 2 stage processes − one process',
              '>=', -0.5),
             ('lm_tied', 'lm_untied', 'test perplexity, tied − untied', '<=',
              0.0))
-_SAME_STEP = ('mt_k2', 'mt_one')
+# Pairs also scored at the last checkpoint step both kept: quality per step,
+# apart from steps per hour.
+_SAME_STEP = (('mt_k2', 'mt_one'), ('lm_tied', 'lm_untied'))
 
 # --tiny: short MT buckets, and a few lines of text to score on.
 _TINY_MT = 'input.bucket_upper_bounds: [64]; input.bucket_batch_sizes: [8]'
@@ -180,25 +183,31 @@ def _run(runs_dir: str, text: str, tiny: bool) -> dict[str, Any]:
         'train_minutes': _train_minutes(logdir),
         'metrics': score['metrics'],
         'evaluate': _shown(_eval_command(r, logdir, ''))}
-  same_step = None
-  a, b = (next(r for r in RUNS if r.name == n) for n in _SAME_STEP)
-  shared = (set(map(checkpoints.step_of, checkpoints.list_checkpoints(
-      os.path.join(runs_dir, a.name)))) & set(map(
-          checkpoints.step_of, checkpoints.list_checkpoints(
-              os.path.join(runs_dir, b.name)))))
-  if shared:
-    step = max(shared)
-    same_step = {'step': step, 'metrics': {
-        r.name: _score(r, os.path.join(runs_dir, r.name), text, step)[
-            'metrics'] for r in (a, b)}}
+  same_step = [_at_same_step(runs_dir, text, pair) for pair in _SAME_STEP]
   targets = []
   for name, ref, what, op, limit in _TARGETS:
     metric = rows[name]['metric']
     targets.append(report.target(
         what, rows[name]['metrics'][metric] - rows[ref]['metrics'][metric],
         op, limit, unit=''))
-  return {'rows': rows, 'same_step': same_step, 'targets': targets,
+  return {'rows': rows, 'same_step': [x for x in same_step if x],
+          'targets': targets,
           'minutes': MINUTES, 'runs_dir': runs_dir}
+
+
+def _at_same_step(runs_dir: str, text: str, pair: tuple[str, str]
+                  ) -> dict[str, Any] | None:
+  """Both runs of `pair` scored at the last checkpoint step both kept."""
+  runs = [next(r for r in RUNS if r.name == n) for n in pair]
+  steps = [{checkpoints.step_of(c) for c in checkpoints.list_checkpoints(
+      os.path.join(runs_dir, r.name))} for r in runs]
+  shared = steps[0] & steps[1]
+  if not shared:
+    return None
+  step = max(shared)
+  return {'step': step, 'metrics': {
+      r.name: _score(r, os.path.join(runs_dir, r.name), text, step)['metrics']
+      for r in runs}}
 
 
 def render(s: dict[str, Any]) -> str:
@@ -219,13 +228,16 @@ def render(s: dict[str, Any]) -> str:
       report.table(['model', 'runtime', 'steps', 'trained (min)',
                     'test BLEU', 'test log-pplx', 'test perplexity',
                     'started', 'commit'], rows), '']
-  if s['same_step']:
-    same = s['same_step']
+  same_step = s['same_step']
+  if isinstance(same_step, dict):  # One pair, as the first version stored.
+    same_step = [same_step]
+  for same in same_step or []:
     lines.append(
-        f'- At step {same["step"]}, the last checkpoint both translation runs '
-        'kept: ' + '; '.join(
-            f'{name} BLEU {m["bleu"]:.2f}, log-pplx {m["log_pplx"]:.4f}'
-            for name, m in same['metrics'].items()) + '.')
+        f'- At step {same["step"]}, the last checkpoint both kept: ' +
+        '; '.join(f'{name} ' + (f'BLEU {m["bleu"]:.2f}, ' if 'bleu' in m
+                                else f'perplexity {m["perplexity"]:.2f}, ')
+                  + f'log-pplx {m["log_pplx"]:.4f}'
+                  for name, m in same['metrics'].items()) + '.')
   lines.append(report.target_lines(s['targets']))
   lines += ['', 'Commands, in this order:', '']
   lines += [f'- `{row["trained"]["command"]}`'
