@@ -120,65 +120,13 @@ def example_noise(x: tf.Tensor, seed_key: str, sampler: Sampler,
   total = (noise_shape[axis] if ctx.global_batch_size is None else
            ctx.global_batch_size)
   rest = noise_shape[:axis] + noise_shape[axis + 1:]
+  noise = sampler([total] + rest, seed)
   start = tf.cast(ctx.first_example, tf.int32)
-  if sampler in _ROW_SAMPLERS:
-    noise = rows_of_draw(sampler, rest, seed, start, noise_shape[axis])
-  else:  # Draws of no fixed width per value: the whole batch, then rows.
-    noise = sampler([total] + rest, seed)[start:start + noise_shape[axis]]
+  noise = noise[start:start + noise_shape[axis]]
   if axis:
     perm = list(range(1, axis + 1)) + [0] + list(range(axis + 1, len(shape)))
     noise = tf.transpose(noise, perm)
   return noise
-
-
-# Philox, as TF's stateless ops pick it on CPU and GPU ('auto_select'): key
-# and counter scrambled from the seed as TF does (random_ops_util.py,
-# _philox_scramble_seed), and each group of 4 outputs from one counter value.
-_PHILOX = 1
-_SCRAMBLE_KEY = 0x02461E293EC8F720
-_GROUP = 4
-_ROW_SAMPLERS = {
-    tf.random.stateless_uniform: tf.raw_ops.StatelessRandomUniformV2,
-    tf.random.stateless_normal: tf.raw_ops.StatelessRandomNormalV2,
-}
-
-
-def _u64(lo: tf.Tensor, hi: tf.Tensor) -> tf.Tensor:
-  return tf.bitwise.bitwise_or(
-      tf.cast(lo, tf.uint64),
-      tf.bitwise.left_shift(tf.cast(hi, tf.uint64), tf.constant(32, tf.uint64)))
-
-
-def rows_of_draw(sampler: Sampler, rest: Sequence[Any], seed: tf.Tensor,
-                 start: Any, count: Any) -> tf.Tensor:
-  """Rows [start, start + count) of `sampler([N] + rest, seed)`, without
-  drawing the other rows (float32; N ≥ start + count).
-
-  Why: every micro-batch used to draw the whole global batch's noise and
-  keep its own rows, so a step drew M·R times the noise it used, in every
-  forward and again in every recompute. The draw is counter-based: value i
-  of a draw comes from counter value ⌊i/4⌋ (lane i mod 4) whatever the
-  tensor's size or sharding, so starting the counter at the first row's
-  group and dropping the lead-in gives those rows bit for bit
-  (tests/layers/test_dropout.py checks against the whole draw).
-  `sampler` is tf.random.stateless_uniform or stateless_normal.
-  """
-  mix = tf.raw_ops.StatelessRandomUniformFullIntV2(
-      shape=[4], key=tf.constant([_SCRAMBLE_KEY], tf.uint64),
-      counter=tf.cast(seed, tf.uint64), alg=_PHILOX, dtype=tf.uint32)
-  key = tf.reshape(_u64(mix[0], mix[1]), [1])
-  row = tf.reduce_prod(tf.cast(tf.stack(rest), tf.int64)) if rest else (
-      tf.constant(1, tf.int64))
-  first = tf.cast(start, tf.int64) * row
-  lead = first % _GROUP
-  counter = tf.stack([tf.cast(first // _GROUP, tf.uint64), _u64(mix[2],
-                                                                 mix[3])])
-  size = tf.cast(count, tf.int64) * row
-  flat = _ROW_SAMPLERS[sampler](
-      shape=tf.reshape(size + lead, [1]), key=key, counter=counter,
-      alg=_PHILOX, dtype=tf.float32)
-  return tf.reshape(flat[lead:], tf.stack(
-      [tf.cast(count, tf.int32)] + [tf.cast(d, tf.int32) for d in rest]))
 
 
 def _shared_over_batch(batch: Any, noise_batch: Any) -> bool:

@@ -141,31 +141,3 @@ def test_unknown_batch_size_under_tf_function():
                            global_batch_size=8):
     got = fn(x).numpy()
   np.testing.assert_array_equal(got, _drop(x, mb=1, m=2))
-
-
-@pytest.mark.parametrize('sampler', [tf.random.stateless_uniform,
-                                     tf.random.stateless_normal])
-@pytest.mark.parametrize('rest', [[], [3], [5, 7], [4, 2]])
-def test_rows_of_a_draw_equal_the_whole_draws_rows_bit_for_bit(sampler, rest):
-  """A micro-batch draws only its own rows (not the global batch's), and
-  gets the very values the whole draw has there: any start, any row width
-  (rows that do not start on a group of 4 values too)."""
-  seed = dropout.mask_seed('model.layer', 11)
-  whole = sampler([13] + rest, seed).numpy()
-  for start, count in [(0, 13), (0, 1), (1, 4), (5, 3), (12, 1), (7, 6)]:
-    rows = dropout.rows_of_draw(sampler, rest, seed, start, count).numpy()
-    np.testing.assert_array_equal(rows, whole[start:start + count])
-
-
-def test_rows_of_a_draw_with_unknown_dims_under_tf_function():
-  seed = dropout.mask_seed('model.layer', 3)
-
-  @tf.function(input_signature=[tf.TensorSpec([None, None]),
-                                tf.TensorSpec([], tf.int32)])
-  def rows(x, start):
-    return dropout.rows_of_draw(tf.random.stateless_uniform,
-                                [tf.shape(x)[1]], seed, start, tf.shape(x)[0])
-
-  whole = tf.random.stateless_uniform([9, 5], seed).numpy()
-  np.testing.assert_array_equal(rows(tf.zeros([3, 5]), 2).numpy(),
-                                whole[2:5])
