@@ -93,7 +93,8 @@ def _keras_without_pyplot() -> Iterator[None]:
 
   `import tensorflow` imports Keras, and Keras 3 imports matplotlib.pyplot
   at import time when matplotlib is installed (the `[plots]` extra), for its
-  image-gallery helpers: about 1.5 s of every process's start (binaries,
+  image-gallery helpers (0.3 s of CPU per process alone, 1.8 s on a busy
+  machine by `python -X importtime`) in every process (binaries,
   stage processes, tests), for a module none of them uses. Keras catches
   the ImportError and leaves those helpers without pyplot; once TensorFlow
   is in, pyplot imports as usual (tools/bench/plots.py draws with it). A

@@ -62,9 +62,9 @@ def test_library_info_lines_are_dropped_below_verbosity_one():
 
 
 def test_tensorflow_starts_without_pyplot_and_pyplot_still_imports():
-  """Keras imports matplotlib.pyplot when TensorFlow loads (~1.5 s of every
-  process's start); the binaries load TensorFlow without it, and pyplot
-  imports as usual afterwards."""
+  """Keras imports matplotlib.pyplot when TensorFlow loads (0.3 s or more
+  of every process's start); the binaries load TensorFlow without it, and
+  pyplot imports as usual afterwards."""
   pytest.importorskip('matplotlib')
   code = '\n'.join([
       'import sys',
