@@ -228,10 +228,7 @@ def render(s: dict[str, Any]) -> str:
       report.table(['model', 'runtime', 'steps', 'trained (min)',
                     'test BLEU', 'test log-pplx', 'test perplexity',
                     'started', 'commit'], rows), '']
-  same_step = s['same_step']
-  if isinstance(same_step, dict):  # One pair, as the first version stored.
-    same_step = [same_step]
-  for same in same_step or []:
+  for same in s['same_step']:
     lines.append(
         f'- At step {same["step"]}, the last checkpoint both kept: ' +
         '; '.join(f'{name} ' + (f'BLEU {m["bleu"]:.2f}, ' if 'bleu' in m
