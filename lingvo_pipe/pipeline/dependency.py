@@ -88,11 +88,25 @@ def index(m: int) -> tf.Tensor:
   return opaque(tf.constant(m, tf.int32))
 
 
-def token(device: str, after: Sequence[tf.Tensor], zero: tf.Tensor
-         ) -> tf.Tensor:
-  """A scalar (`zero`'s value) that exists once `after` does."""
-  with tf.device(device), tf.control_dependencies(list(after)):
-    return tf.identity(zero)
+def token(device: str, after: Sequence[tf.Tensor], zero: tf.Tensor,
+          by_data: bool = True) -> tf.Tensor:
+  """A scalar (`zero`'s value) that exists once `after` does.
+
+  `by_data`: wait for identities of `after`'s tensors. `after` holds the
+  outputs of called stage bodies, and a control edge on a call's output
+  waits, once TF inlines the call, only for the call to start (the trap
+  `stage.Clock._stamp` works around): the device order carried across a
+  loop's iterations fired as the last action began, and micro-batches of
+  later iterations ran beside it (GPipe with recompute on stage
+  processes). False for a token that must not wait for what it names
+  (the sends' token: an iteration must not wait for its peer's recvs).
+  """
+  with tf.device(device):
+    if by_data:
+      after = [tf.identity(t) if isinstance(t, tf.Tensor) else t
+               for t in after]
+    with tf.control_dependencies(list(after)):
+      return tf.identity(zero)
 
 
 @contextlib.contextmanager

@@ -147,9 +147,10 @@ class _Carry:
         a.kind in actions_lib.COMPUTE_KINDS for _, a in mine)
     self.slots: list[tuple[int, str]] = []  # A body's records: (stage, kind).
 
-  def _token(self, d: int, after: list[tf.Tensor]) -> tf.Tensor:
+  def _token(self, d: int, after: list[tf.Tensor],
+             by_data: bool = True) -> tf.Tensor:
     return dependency.token(self.ex.device(d), after or [self.ex.zero(d)],
-                            self.ex.zero(d))
+                            self.ex.zero(d), by_data)
 
   def initial(self) -> dict[str, Any]:
     state, ex = self.state, self.ex
@@ -165,7 +166,7 @@ class _Carry:
         'stats': [state.stages[s].stats for s in self.forwards],
         'delay': {f: self._delay_line(f, n) for f, n in self.delays.items()},
         'arrays': [state.arrays[f].arrays for f in self.arrays],
-        'sent': ([self._token(self.devices[0], list(state.sends))]
+        'sent': ([self._token(self.devices[0], list(state.sends), False)]
                  if self.sends else []),
         'records': ([tf.TensorArray(tf.float64, size=self.loop.count)]
                     if self.records else []),
@@ -237,7 +238,7 @@ class _Carry:
         'delay': delay,
         'arrays': arrays,
         'sent': ([self._token(self.devices[0],
-                              carried['sent'] + list(inner.sends))]
+                              carried['sent'] + list(inner.sends), False)]
                  if self.sends else []),
         'records': ([carried['records'][0].write(i, self._stamps(inner))]
                     if self.records else []),
