@@ -204,6 +204,60 @@ def test_looped_and_op_by_op_fc_steps_agree_at_m16(schedule):
   assert stacks.max_rel_diff(*grads) <= 1e-6
 
 
+_CALLS = ('PartitionedCall', 'StatefulPartitionedCall')
+
+
+def _waits_by_control_on_a_call(body, name: str) -> list[str]:
+  """The calls that node `name` of `body` (a FunctionDef), or an Identity
+  chain feeding it, waits on by a control edge."""
+  nodes = {n.name: n for n in body.node_def}
+  calls, seen, todo = [], set(), [name]
+  while todo:
+    node = nodes.get(todo.pop())
+    if node is None or node.name in seen:
+      continue
+    seen.add(node.name)
+    for i in node.input:
+      source = nodes.get(i.lstrip('^').split(':')[0])
+      if source is None:
+        continue
+      if i.startswith('^') and source.op in _CALLS:
+        calls.append(source.name)
+      elif source.op == 'Identity':
+        todo.append(source.name)
+  return calls
+
+
+@pytest.mark.parametrize('schedule', ['gpipe', '1f1b'])
+def test_a_loop_carries_each_devices_order_by_data(schedule):
+  # The order carried to the next iteration (a token per device) waited on
+  # the device's last called body by a control edge. Once TF inlines the
+  # call (stage processes do), such an edge fires as the call starts, not
+  # when its outputs exist: GPipe with recompute on 2 stage processes ran
+  # later iterations' forwards beside the last one, and its steps were
+  # slower than unrolled ones. The token waits by data now.
+  stages = [Stage(lambda theta, x: (tf.tanh(x[0] * theta[0]),),
+                  [tf.Variable(1.0 + s)], stacks.DEVICES[s], inline=True)
+            for s in range(2)]
+
+  @tf.function
+  def _step():
+    with fprop_context.scope(training=True, step=0):
+      return engine.run_with_loss(
+          stages, (tf.ones([16, 3]),), tf.zeros([16]),
+          lambda y, _: {'loss': (tf.reduce_sum(y), tf.constant(1.))},
+          schedule_lib.make_schedule(schedule, 2, 16, 'always'), loop=True)
+  library = _step.get_concrete_function().graph.as_graph_def().library
+  bodies = [f for f in library.function if '_body_' in f.signature.name]
+  assert bodies
+  for f in bodies:
+    assert any(n.op in _CALLS for n in f.node_def), f.signature.name
+    for out in f.ret.values():
+      node = out.split(':')[0]
+      assert not _waits_by_control_on_a_call(f, node), (
+          f.signature.name, out)
+
+
 def test_a_loop_body_does_not_wait_for_its_stateful_ops():
   # tf.function ends a while body with a barrier: every value it returns
   # waits on a NoOp behind each stateful op of the iteration. On stage
