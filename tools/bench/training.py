@@ -210,9 +210,14 @@ def _at_same_step(runs_dir: str, text: str, pair: tuple[str, str]
       for r in runs}}
 
 
+def _in_order(rows: dict[str, Any]) -> list[dict[str, Any]]:
+  """`rows` in RUNS' order (a reloaded benchmarks.json sorts its keys)."""
+  return [rows[r.name] for r in RUNS if r.name in rows]
+
+
 def render(s: dict[str, Any]) -> str:
   rows = []
-  for name, row in s['rows'].items():
+  for row in _in_order(s['rows']):
     m = row['metrics']
     where = ('one process' if row['num_stages'] == 1 else
              f'{row["num_stages"]} stage processes')
@@ -242,5 +247,5 @@ def render(s: dict[str, Any]) -> str:
                 'by_hand') else '') + f', then `{row["evaluate"]}`'
             + (f'; {row["trained"]["note"]}' if row['trained'].get('note')
                else '')
-            for row in s['rows'].values()]
+            for row in _in_order(s['rows'])]
   return '\n'.join(lines)
