@@ -25,6 +25,11 @@ when missing (measured when it was added; the tests named guard them):
 * `token`       a scalar that exists once a device's last action has
                 finished: what carries a device's order across a loop's
                 iterations (the loop's carried state holds one per device).
+* `computed`    identities of tensors, to wait on as control inputs: a
+                control edge on an inlined call's output waits only for
+                the call to start. A loop's token fired as its action
+                began, and later iterations' forwards ran beside it
+                (test_loops); a timeline's end stamp fired at its start.
 * `independent` exempts ops from tf.function's automatic control
                 dependencies. Stage bodies holding `tf.timestamp()` are
                 stateful, and tf.function would chain every stateful op in
@@ -66,8 +71,8 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import tensorflow as tf
 
-__all__ = ['chained', 'free_loop_body', 'independent', 'index', 'made_after',
-           'opaque', 'ready', 'token']
+__all__ = ['chained', 'computed', 'free_loop_body', 'independent', 'index',
+           'made_after', 'opaque', 'ready', 'token']
 
 
 def chained(x: Any, after: Sequence[tf.Tensor]) -> Any:
@@ -88,24 +93,28 @@ def index(m: int) -> tf.Tensor:
   return opaque(tf.constant(m, tf.int32))
 
 
+def computed(after: Sequence[Any]) -> list[Any]:
+  """What waits, as a control input, until each tensor of `after` exists:
+  an identity of it (ops pass through). A control edge on a called
+  function's output waits, once TF inlines the call, only for the call to
+  start (its stateful ops), not for that output; an identity reads it as
+  data. Without it, a timeline's end stamp fired as its action began
+  (`stage.Clock`), and a loop's carried device order (`token`) fired as
+  the last action began, so micro-batches of later iterations ran beside
+  it (GPipe with recompute on stage processes)."""
+  return [tf.identity(t) if isinstance(t, tf.Tensor) else t for t in after]
+
+
 def token(device: str, after: Sequence[tf.Tensor], zero: tf.Tensor,
           by_data: bool = True) -> tf.Tensor:
   """A scalar (`zero`'s value) that exists once `after` does.
 
-  `by_data`: wait for identities of `after`'s tensors. `after` holds the
-  outputs of called stage bodies, and a control edge on a call's output
-  waits, once TF inlines the call, only for the call to start (the trap
-  `stage.Clock._stamp` works around): the device order carried across a
-  loop's iterations fired as the last action began, and micro-batches of
-  later iterations ran beside it (GPipe with recompute on stage
-  processes). False for a token that must not wait for what it names
-  (the sends' token: an iteration must not wait for its peer's recvs).
+  `by_data`: wait until `after`'s tensors exist (`computed`). False for a
+  token that must not wait for what it names (the sends' token: an
+  iteration must not wait for its peer's recvs).
   """
   with tf.device(device):
-    if by_data:
-      after = [tf.identity(t) if isinstance(t, tf.Tensor) else t
-               for t in after]
-    with tf.control_dependencies(list(after)):
+    with tf.control_dependencies(computed(after) if by_data else list(after)):
       return tf.identity(zero)
 
 

@@ -125,15 +125,9 @@ class Clock:
     between inter-op threads), by data in the outer graph
     (`dependency.made_after`: Grappler dropped control edges there)."""
     if self.in_body and not tf.executing_eagerly():
-      with tf.device(self.device):
-        # A control edge from a called function's output starts at the
-        # call, which once inlined signals when its stateful ops are done,
-        # not its outputs: the end stamp of I fired as I began. An
-        # identity of each output is an op of its own.
-        with tf.control_dependencies([
-            tf.identity(t) if isinstance(t, tf.Tensor) else t
-            for t in after]):
-          return tf.timestamp()
+      with tf.device(self.device), tf.control_dependencies(
+          dependency.computed(after)):
+        return tf.timestamp()
     return dependency.made_after(self.device, after, tf.timestamp)
 
 

@@ -207,6 +207,23 @@ def test_looped_and_op_by_op_fc_steps_agree_at_m16(schedule):
 _CALLS = ('PartitionedCall', 'StatefulPartitionedCall')
 
 
+def _loop_bodies(stages: list[Stage], schedule) -> list:
+  """The loop bodies (FunctionDefs) of a traced step of `stages` (a batch
+  of 16) under `schedule`; at least one."""
+
+  @tf.function
+  def _step():
+    with fprop_context.scope(training=True, step=0):
+      return engine.run_with_loss(
+          stages, (tf.ones([16, 3]),), tf.zeros([16]),
+          lambda y, _: {'loss': (tf.reduce_sum(y), tf.constant(1.))},
+          schedule, loop=True)
+  library = _step.get_concrete_function().graph.as_graph_def().library
+  bodies = [f for f in library.function if '_body_' in f.signature.name]
+  assert bodies
+  return bodies
+
+
 def _waits_by_control_on_a_call(body, name: str) -> list[str]:
   """The calls that node `name` of `body` (a FunctionDef), or an Identity
   chain feeding it, waits on by a control edge."""
@@ -239,18 +256,8 @@ def test_a_loop_carries_each_devices_order_by_data(schedule):
   stages = [Stage(lambda theta, x: (tf.tanh(x[0] * theta[0]),),
                   [tf.Variable(1.0 + s)], stacks.DEVICES[s], inline=True)
             for s in range(2)]
-
-  @tf.function
-  def _step():
-    with fprop_context.scope(training=True, step=0):
-      return engine.run_with_loss(
-          stages, (tf.ones([16, 3]),), tf.zeros([16]),
-          lambda y, _: {'loss': (tf.reduce_sum(y), tf.constant(1.))},
-          schedule_lib.make_schedule(schedule, 2, 16, 'always'), loop=True)
-  library = _step.get_concrete_function().graph.as_graph_def().library
-  bodies = [f for f in library.function if '_body_' in f.signature.name]
-  assert bodies
-  for f in bodies:
+  for f in _loop_bodies(stages, schedule_lib.make_schedule(
+      schedule, 2, 16, 'always')):
     assert any(n.op in _CALLS for n in f.node_def), f.signature.name
     for out in f.ret.values():
       node = out.split(':')[0]
@@ -268,18 +275,7 @@ def test_a_loop_body_does_not_wait_for_its_stateful_ops():
     return (x[0] * theta[0] + tf.cast(0. * tf.timestamp(), tf.float32),)
   stages = [Stage(_body, [tf.Variable(1.0 + s)], stacks.DEVICES[s])
             for s in range(2)]
-
-  @tf.function
-  def _step():
-    with fprop_context.scope(training=True, step=0):
-      return engine.run_with_loss(
-          stages, (tf.ones([16, 3]),), tf.zeros([16]),
-          lambda y, _: {'loss': (tf.reduce_sum(y), tf.constant(1.))},
-          schedule_lib.make_schedule('1f1b', 2, 16), loop=True)
-  library = _step.get_concrete_function().graph.as_graph_def().library
-  bodies = [f for f in library.function if '_body_' in f.signature.name]
-  assert bodies
-  for f in bodies:
+  for f in _loop_bodies(stages, schedule_lib.make_schedule('1f1b', 2, 16)):
     assert any(n.op == 'StatefulPartitionedCall' for n in f.node_def), (
         f.signature.name)  # Else there is nothing to wait on.
     barriers = [n.name for n in f.node_def if n.op == 'NoOp' and
