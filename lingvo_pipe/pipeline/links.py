@@ -8,9 +8,10 @@ described cluster:
 
     transfer = bytes ÷ (bandwidth × efficiency) + latency
 
-per link, and a ring all-reduce of B bytes over R devices sends
-2·(R−1)/R·B over its slowest link in 2·(R−1) hops. The simulator takes the
-transfer time as a callable of the two devices, and, to let transfers
+per link (or the larger of the two, for a latency that passes while the
+bytes flow: `Link.latency_overlaps`), and a ring all-reduce of B bytes over
+R devices sends 2·(R−1)/R·B over its slowest link in 2·(R−1) hops. The
+simulator takes the transfer time as a callable of the two devices, and, to let transfers
 queue for a link, the part of it that holds the link (the bytes' share):
 
     cluster = Cluster(num_hosts=8, devices_per_host=8,
@@ -63,10 +64,19 @@ def _check(name: str, value: float, positive: bool = False) -> None:
 @dataclasses.dataclass(frozen=True)
 class Link:
   """One way of a link: `bandwidth` in bits/s on the wire, `latency` in
-  seconds per transfer, `efficiency` the payload's share of wire bytes."""
+  seconds per transfer, `efficiency` the payload's share of wire bytes.
+
+  `latency_overlaps`: the latency is time the two ends spend while the
+  bytes flow (thread hand-offs on hosts whose cores are busy computing), not
+  after them, so a transfer takes max(wire, latency), not wire + latency.
+  Stage processes of one core each between network-namespace hosts behave
+  so: where the wire and the latency are about as long, adding them
+  overpredicted steps (`benchmark.py links`, docs/benchmarks.md).
+  """
   bandwidth: float
   latency: float = 0.0
   efficiency: float = 1.0
+  latency_overlaps: bool = False
 
   def __post_init__(self) -> None:
     _check('Link.bandwidth', self.bandwidth, positive=True)
@@ -76,16 +86,25 @@ class Link:
       raise LinkError(f'Link.efficiency = {self.efficiency!r} must be ≤ 1 '
                       '(payload bytes per wire byte).')
 
+  def wire_time(self, nbytes: float) -> float:
+    """Seconds `nbytes` of payload hold the link (latency left out)."""
+    _check('nbytes', nbytes)
+    return nbytes * 8 / (self.bandwidth * self.efficiency)
+
   def transfer_time(self, nbytes: float) -> float:
     """Seconds to move `nbytes` of payload across this link."""
-    _check('nbytes', nbytes)
-    return nbytes * 8 / (self.bandwidth * self.efficiency) + self.latency
+    wire = self.wire_time(nbytes)
+    if self.latency_overlaps:
+      return max(wire, self.latency)
+    return wire + self.latency
 
   def describe(self) -> str:
     """'100 Gbit/s, 10 µs' (payload efficiency if < 1)."""
     text = f'{format_rate(self.bandwidth)}, {self.latency * 1e6:.3g} µs'
     if self.efficiency < 1:
       text += f', {100 * self.efficiency:.1f}% payload'
+    if self.latency_overlaps:
+      text += ', latency beside the wire'
     return text
 
 
@@ -169,8 +188,8 @@ class Cluster:
 
     def busy(src: int, dst: int) -> float:
       a, b = first_device + src, first_device + dst
-      return self.transfer_time(sizes[max(src, dst)], a, b) - (
-          self.link(a, b).latency if a != b else 0.0)
+      return 0.0 if a == b else self.link(a, b).wire_time(
+          sizes[max(src, dst)])
 
     return busy
 

@@ -15,6 +15,18 @@ def test_a_transfer_is_bytes_over_payload_bandwidth_plus_latency():
   assert links.Link(1e9, 5e-6).describe() == '1 Gbit/s, 5 µs'
 
 
+def test_an_overlapping_latency_passes_while_the_bytes_flow():
+  link = links.Link(1e9, latency=3e-3, latency_overlaps=True)
+  assert link.transfer_time(125e3) == pytest.approx(3e-3)  # 1 ms of wire.
+  assert link.transfer_time(500e3) == pytest.approx(4e-3)  # 4 ms of wire.
+  assert link.wire_time(500e3) == pytest.approx(4e-3)
+  assert link.describe() == '1 Gbit/s, 3e+03 µs, latency beside the wire'
+  # The link is held for the wire alone, either way.
+  cluster = links.Cluster(2, 1, inside=link, between=link)
+  assert cluster.link_busy_fn([0.0, 125e3])(0, 1) == pytest.approx(1e-3)
+  assert cluster.transfer_time_fn([0.0, 125e3])(0, 1) == pytest.approx(3e-3)
+
+
 @pytest.mark.parametrize('kwargs, match', [
     (dict(bandwidth=0), r'Link.bandwidth = 0 must be a finite number > 0'),
     (dict(bandwidth=1e9, latency=-1), r'Link.latency = -1 must be .* ≥ 0'),
