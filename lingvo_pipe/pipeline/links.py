@@ -11,8 +11,9 @@ described cluster:
 per link (or the larger of the two, for a latency that passes while the
 bytes flow: `Link.latency_overlaps`), and a ring all-reduce of B bytes over
 R devices sends 2·(R−1)/R·B over its slowest link in 2·(R−1) hops. The
-simulator takes the transfer time as a callable of the two devices, and, to let transfers
-queue for a link, the part of it that holds the link (the bytes' share):
+simulator takes the transfer time as a callable of the two devices, and, to
+let transfers queue for a link, the part of it that holds the link (the
+bytes' share):
 
     cluster = Cluster(num_hosts=8, devices_per_host=8,
                       inside=Link(1.2e12, 5e-6), between=Link(100e9, 10e-6))
