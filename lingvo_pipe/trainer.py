@@ -27,7 +27,8 @@ checkpoint, is one line, exit 2, and an untouched logdir.
 What lands in the logdir: params.txt; checkpoint, ckpt-<step>.{index,data-*}
 (the last task.train.max_checkpoints_to_keep); train/events.* (TensorBoard:
 scalars, the params and the partition report as text); events.* (the
-HParams session); timeline/step_<s>.{trace.json,png} (--timeline_steps).
+HParams session); timeline/step_<s>.{trace.json,png} (--timeline_steps);
+profile/task<i>/ (--profile_steps: TensorFlow's profiler, each task's own).
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ from lingvo_pipe.core import optimizer
 from lingvo_pipe.core import preflight
 from lingvo_pipe.core import progress as progress_lib
 from lingvo_pipe.core import run_summaries
+from lingvo_pipe.core import step_profile
 from lingvo_pipe.core import step_timeline
 from lingvo_pipe.core import summaries
 from lingvo_pipe.core import tied_weights
@@ -115,13 +117,19 @@ _TIMELINE_STEPS = flags.DEFINE_list(
     'step_<s>.trace.json (chrome://tracing) and step_<s>.png (needs '
     'lingvo_pipe[plots]); on a cluster, every stage process\'s ops in one '
     'picture.')
+_PROFILE_STEPS = flags.DEFINE_list(
+    'profile_steps', [], 'First and last step (counted from 1, e.g. 10 or '
+    '10,12) to trace with TensorFlow\'s profiler: every kernel of every '
+    'thread. Each task writes logdir/profile/task<i>/ (TensorBoard\'s '
+    'Profile tab, or tools/profile_report.py).')
 
 
 class Trainer:
   """Holds the task, optimizer, global step and checkpoint of one run."""
 
   def __init__(self, params: Params, logdir: str,
-               timeline_steps: tuple[int, ...] = ()) -> None:
+               timeline_steps: tuple[int, ...] = (),
+               profile_steps: tuple[int, int] | None = None) -> None:
     self._params = params
     self._train = params.task.train
     self.task: base_model.BaseTask = params.task.Instantiate()
@@ -146,6 +154,9 @@ class Trainer:
     self._timeline = (step_timeline.TimelineSteps(
         logdir, timeline_steps, self.task, self._train_step)
                       if timeline_steps else None)
+    self._profiler = (step_profile.StepProfiler(logdir, profile_steps,
+                                                self.share.task)
+                      if profile_steps else None)
     self.stop_reason = ''  # Set (by a signal handler) to stop after a step.
 
   def restore(self) -> int:
@@ -262,10 +273,14 @@ class Trainer:
       if done == start + 1:
         logging.info('Tracing the train step (compiles the model; minutes '
                      'for a deep pipeline)…')
+      if self._profiler is not None:
+        self._profiler.before(done)
       if self._timeline is not None and self._timeline.wants(done):
         metrics, norm, status, lr = self._timeline.run(done, batch)
       else:
         metrics, norm, status, lr = self._step_fn(batch)
+      if self._profiler is not None:
+        self._profiler.after(done)
       if int(status):
         self._stop_on_non_finite(s, metrics, norm, lr, writer, int(status))
       if done == start + 1:
@@ -295,6 +310,8 @@ class Trainer:
           logging.info('Stopped at step %d of %d (%s); run again to '
                        'continue.', done, train.max_steps, self.stop_reason)
         break
+    if self._profiler is not None:
+      self._profiler.close()  # Training ended inside the traced steps.
     watchdog.no_step_expected()
     if self.share.is_chief:
       progress.log(overall=True)
@@ -420,7 +437,8 @@ def _prepare(params: Params, logdir: str):
   generator.CheckAvailable()
   dataset = generator.TrainDataset(0)  # Builds (lazily): checks batch size.
   # Partition, devices, FPropMeta shapes.
-  trainer = Trainer(params, logdir, _timeline_steps())
+  trainer = Trainer(params, logdir, _timeline_steps(),
+                    step_profile.parse(_PROFILE_STEPS.value))
   for size in generator.TrainBatchSizes():  # Length buckets: one each.
     trainer.share.check_batch_size(size, 'input')
   preflight.check_train_batches(trainer.task, generator, dataset.element_spec)

@@ -11,12 +11,17 @@ test_cluster_recovery.py (tagged rehearsal: 4 processes each, 3 minutes).
 
 import json
 import os
+import pathlib
 import re
+import subprocess
+import sys
 import time
 
 
 import binary_runner as br
 from lingvo_pipe.core import checkpoints
+
+_REPORT = pathlib.Path(__file__).parents[2] / 'tools' / 'profile_report.py'
 
 _ARGS = (f'--model={br.MODEL}',
          f'--model_params_override={br.FAST}; '
@@ -30,9 +35,9 @@ def _launch(logdir, steps, num_replicas=1, *extra):
                   *extra)
 
 
-def _train_alone(logdir, steps):
+def _train_alone(logdir, steps, *extra):
   rc, _, err = br.run('trainer', *_ARGS, f'--logdir={logdir}',
-                      f'--max_steps={steps}')
+                      f'--max_steps={steps}', *extra)
   assert rc == 0, err[-3000:]
 
 
@@ -49,10 +54,15 @@ def _finished(proc, timeout=300):
 
 def test_two_stage_processes_train_like_one_process_and_shard_checkpoints(
     tmp_path):
-  _train_alone(tmp_path / 'alone', 20)
+  # Steps 5-6 traced by TensorFlow's profiler, in each process: the weights
+  # are still the same.
+  _train_alone(tmp_path / 'alone', 20, '--profile_steps=5,6')
   # Step 3 recorded too: a real step, in every process, drawn by the chief.
-  _finished(_launch(tmp_path / 'staged', 20, 1, '--timeline_steps=3'))
+  _finished(_launch(tmp_path / 'staged', 20, 1, '--timeline_steps=3',
+                    '--profile_steps=5,6'))
   _check_merged_timeline(tmp_path / 'staged' / 'timeline')
+  _check_profiles(tmp_path / 'alone', ['task0'], sends=False)
+  _check_profiles(tmp_path / 'staged', ['task0', 'task1'], sends=True)
   names = sorted(os.listdir(tmp_path / 'staged'))
   assert 'ckpt-20.stage0of2.index' in names, names
   assert 'ckpt-20.stage1of2.index' in names, names
@@ -73,6 +83,19 @@ def test_two_stage_processes_train_like_one_process_and_shard_checkpoints(
                             err).group(1))
   assert abs(float(scores[0]) - float(scores[1])) <= 1e-5 * abs(
       float(scores[0])), scores
+
+
+def _check_profiles(logdir, tasks, sends):
+  """Each task traced its own 2 steps; the report reads them."""
+  proc = subprocess.run(
+      [sys.executable, str(_REPORT), str(logdir)], capture_output=True, text=True, timeout=120,
+      check=False)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  heads = [l for l in proc.stdout.splitlines() if not l.startswith(' ')]
+  assert [h.split(':')[0] for h in heads] == tasks, proc.stdout
+  assert all('_train_step, 2 step(s) traced' in h for h in heads), heads
+  assert 'MatMul' in proc.stdout, proc.stdout
+  assert ('CollectiveBcastSendV2' in proc.stdout) == sends, proc.stdout
 
 
 def _pids(proc, count, timeout=120):
