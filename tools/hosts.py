@@ -97,6 +97,9 @@ def parse_rate(text: str) -> float:
 class Hosts:
   """`num_hosts` hosts h1 … hN on one switch; `close` removes them all."""
 
+  _subnets_open: set[int] = set()  # Of this process's open harnesses.
+  _subnets_lock = threading.Lock()
+
   def __init__(self, num_hosts: int, workdir: str | None = None) -> None:
     if not 1 <= num_hosts <= 250:
       raise HostsError(f'num_hosts={num_hosts}: give 1 to 250 hosts')
@@ -106,8 +109,16 @@ class Hosts:
     self.names = [f'h{i + 1}' for i in range(num_hosts)]
     self._own_dir = workdir is None
     self._dir = workdir or tempfile.mkdtemp(prefix='lp_hosts_')
-    subnet = (os.getpid() * 7919 + id(self)) % 512  # A /24 per harness.
-    self.subnet = list(_NETWORK.subnets(new_prefix=24))[subnet]
+    # A /24 per harness, none shared by two open harnesses of this process:
+    # a host that sends to another harness's address must find no one, not
+    # a host of its own that took the same address.
+    with Hosts._subnets_lock:
+      start = os.getpid() * 7919
+      self._subnet: int | None = next(
+          (start + k) % 512 for k in range(512)
+                          if (start + k) % 512 not in Hosts._subnets_open)
+      Hosts._subnets_open.add(self._subnet)
+    self.subnet = list(_NETWORK.subnets(new_prefix=24))[self._subnet]
     self._holders: dict[str, subprocess.Popen[bytes]] = {}
     self._procs: list[subprocess.Popen[Any]] = []
     self._ifbs: set[str] = set()  # Ifb devices made for rate limits.
@@ -183,6 +194,10 @@ class Hosts:
       self._holders.clear()
       if self._own_dir:
         shutil.rmtree(self._dir, ignore_errors=True)
+    with Hosts._subnets_lock:
+      if self._subnet is not None:
+        Hosts._subnets_open.discard(self._subnet)
+        self._subnet = None  # Twice closed: another may hold it by then.
     return left
 
   def processes(self) -> list[int]:

@@ -118,6 +118,7 @@ def test_a_rate_limit_holds_both_ways(hosts):
 
 def test_two_harnesses_do_not_meet(hosts):
   with hosts_lib.Hosts(2) as other:
+    assert other.subnet != hosts.subnet  # Else h1 would reach its own h2.
     _serve(other, 'h2')
     assert _send(other, 'h1', 'h2', 10)[0] == '10'
     # From the first harness, the other's hosts are not reachable at all.
