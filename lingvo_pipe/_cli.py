@@ -237,6 +237,47 @@ def create_logdir(logdir: str, params_text: str) -> None:
                     'choose a directory you can write to.') from None
 
 
+def _with_old_run_length(params: Params, old_text: str) -> str | None:
+  """params' text with max_steps as in `old_text` (None if unreadable).
+
+  max_steps only says how long to train, so continuing a finished run with a
+  larger --max_steps is the same run, not a conflicting one.
+  """
+  try:
+    old_steps = params.Copy().FromText(old_text).task.train.max_steps
+  except Exception:  # pylint: disable=broad-except
+    return None
+  same = params.Copy()
+  same.task.train.max_steps = old_steps
+  return same.ToText()
+
+
+def check_params_file(logdir: str, params: Params, force: bool) -> None:
+  """Refuses (exit 2) a logdir whose params.txt differs, unless `force`
+  (--force)."""
+  path = os.path.join(logdir, PARAMS_FILE)
+  if not os.path.exists(path):
+    return
+  old = read_text_file(path, 'restore the file the trainer wrote, or '
+                       'use another --logdir')
+  if old == params.ToText() or old == _with_old_run_length(params, old):
+    return  # Same run, or the same run extended/shortened (max_steps).
+  trained = next((l.split(':', 1)[1].strip(' \'"') for l in old.splitlines()
+                  if l.startswith('model :')), params.model)
+  if trained != params.model and not force:  # Not a 170-line diff.
+    raise UserError(
+        f'{path} is a run of {trained}, not {params.model}; give '
+        f'--model={trained} to continue it, another --logdir, or --force.')
+  diff = params_diff(old, params)
+  if force:
+    logging.warning('--force: replacing %s; differences:\n%s', path, diff)
+    return
+  sys.stderr.write(f'{diff}\n')
+  raise UserError(
+      f'{path} differs from this run\'s params (diff above: - logdir, + '
+      'now); use the same model and overrides, another --logdir, or --force.')
+
+
 def params_diff(old_text: str, new: Params) -> str:
   """`Params.TextDiff` of the logdir's params.txt against `new`."""
   try:

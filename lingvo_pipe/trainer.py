@@ -154,9 +154,8 @@ class Trainer:
     self._timeline = (step_timeline.TimelineSteps(
         logdir, timeline_steps, self.task, self._train_step)
                       if timeline_steps else None)
-    self._profiler = (step_profile.StepProfiler(logdir, profile_steps,
-                                                self.share.task)
-                      if profile_steps else None)
+    self._profiler = step_profile.StepProfiler(logdir, profile_steps,
+                                               self.share.task)
     self.stop_reason = ''  # Set (by a signal handler) to stop after a step.
 
   def restore(self) -> int:
@@ -273,14 +272,12 @@ class Trainer:
       if done == start + 1:
         logging.info('Tracing the train step (compiles the model; minutes '
                      'for a deep pipeline)…')
-      if self._profiler is not None:
-        self._profiler.before(done)
+      self._profiler.before(done)
       if self._timeline is not None and self._timeline.wants(done):
         metrics, norm, status, lr = self._timeline.run(done, batch)
       else:
         metrics, norm, status, lr = self._step_fn(batch)
-      if self._profiler is not None:
-        self._profiler.after(done)
+      self._profiler.after(done)
       if int(status):
         self._stop_on_non_finite(s, metrics, norm, lr, writer, int(status))
       if done == start + 1:
@@ -310,8 +307,7 @@ class Trainer:
           logging.info('Stopped at step %d of %d (%s); run again to '
                        'continue.', done, train.max_steps, self.stop_reason)
         break
-    if self._profiler is not None:
-      self._profiler.close()  # Training ended inside the traced steps.
+    self._profiler.close()  # Training ended inside the traced steps.
     watchdog.no_step_expected()
     if self.share.is_chief:
       progress.log(overall=True)
@@ -369,46 +365,6 @@ def build_params() -> Params:
   return params
 
 
-def _with_old_run_length(params: Params, old_text: str) -> str | None:
-  """params' text with max_steps as in `old_text` (None if unreadable).
-
-  max_steps only says how long to train, so continuing a finished run with a
-  larger --max_steps is the same run, not a conflicting one.
-  """
-  try:
-    old_steps = params.Copy().FromText(old_text).task.train.max_steps
-  except Exception:  # pylint: disable=broad-except
-    return None
-  same = params.Copy()
-  same.task.train.max_steps = old_steps
-  return same.ToText()
-
-
-def _check_params_file(logdir: str, params: Params) -> None:
-  """Refuses (exit 2) a logdir whose params.txt differs, unless --force."""
-  path = os.path.join(logdir, _cli.PARAMS_FILE)
-  if not os.path.exists(path):
-    return
-  old = _cli.read_text_file(path, 'restore the file the trainer wrote, or '
-                            'use another --logdir')
-  if old == params.ToText() or old == _with_old_run_length(params, old):
-    return  # Same run, or the same run extended/shortened (max_steps).
-  trained = next((l.split(':', 1)[1].strip(' \'"') for l in old.splitlines()
-                  if l.startswith('model :')), params.model)
-  if trained != params.model and not _FORCE.value:  # Not a 170-line diff.
-    raise _cli.UserError(
-        f'{path} is a run of {trained}, not {params.model}; give '
-        f'--model={trained} to continue it, another --logdir, or --force.')
-  diff = _cli.params_diff(old, params)
-  if _FORCE.value:
-    logging.warning('--force: replacing %s; differences:\n%s', path, diff)
-    return
-  sys.stderr.write(f'{diff}\n')
-  raise _cli.UserError(
-      f'{path} differs from this run\'s params (diff above: - logdir, + '
-      'now); use the same model and overrides, another --logdir, or --force.')
-
-
 def _inspect(params: Params) -> str:
   """--mode=inspect_params: the task's plan, profiled with --profile."""
   task_cls = params.task.cls
@@ -432,7 +388,7 @@ def _prepare(params: Params, logdir: str):
     (trainer, input generator).
   """
   _cli.check_writable_dir(logdir)
-  _check_params_file(logdir, params)
+  _cli.check_params_file(logdir, params, _FORCE.value)
   generator = params.input.Instantiate()
   generator.CheckAvailable()
   dataset = generator.TrainDataset(0)  # Builds (lazily): checks batch size.

@@ -114,9 +114,9 @@ class Hosts:
     # a host of its own that took the same address.
     with Hosts._subnets_lock:
       start = os.getpid() * 7919
-      self._subnet: int | None = next(
-          (start + k) % 512 for k in range(512)
-                          if (start + k) % 512 not in Hosts._subnets_open)
+      free = (i % 512 for i in range(start, start + 512)
+              if i % 512 not in Hosts._subnets_open)
+      self._subnet: int | None = next(free)
       Hosts._subnets_open.add(self._subnet)
     self.subnet = list(_NETWORK.subnets(new_prefix=24))[self._subnet]
     self._holders: dict[str, subprocess.Popen[bytes]] = {}

@@ -21,12 +21,15 @@ from __future__ import annotations
 
 import argparse
 import collections
-import glob
 import os
 import re
 import statistics
 import sys
 from typing import Any, Iterable, Sequence
+
+from tensorflow.tsl.profiler.protobuf import xplane_pb2
+
+from lingvo_pipe.core import step_profile
 
 # Kernel events are 'name:Type'; the runtime's own are 'Class::method'.
 _KERNEL = re.compile(r'^[^:]+:(?P<type>[A-Za-z_0-9]+)$')
@@ -36,20 +39,8 @@ _COLLECTIVE = ('CollectiveBcastSendV2', 'CollectiveBcastRecvV2',
 _MS = 1e9  # Picoseconds per millisecond.
 
 
-def traces(logdir: str) -> dict[str, str]:
-  """Task directory name → its latest XSpace file."""
-  found = {}
-  for task_dir in sorted(glob.glob(os.path.join(logdir, 'profile', 'task*'))):
-    files = sorted(glob.glob(os.path.join(task_dir, 'plugins', 'profile', '*',
-                                          '*.xplane.pb')))
-    if files:
-      found[os.path.basename(task_dir)] = files[-1]
-  return found
-
-
 def _events(path: str) -> Iterable[tuple[str, str, int, int]]:
   """(thread, event name, start, end) in picoseconds, host plane only."""
-  from tensorflow.tsl.profiler.protobuf import xplane_pb2  # pylint: disable=g-import-not-at-top,C0415
   space = xplane_pb2.XSpace()
   with open(path, 'rb') as f:
     space.ParseFromString(f.read())
@@ -99,11 +90,11 @@ def summarize(path: str) -> dict[str, Any] | None:
   return {'function': fn, 'steps_ms': [(e - s) / _MS for s, e in steps],
           'busy': busy / max(1, sum(e - s for s, e in steps)),
           'overlap': sum(e - s for s, e in compute) / max(1, busy),
-          'types': by_type, 'num_steps': len(steps)}
+          'types': by_type}
 
 
 def render(name: str, s: dict[str, Any], top: int) -> str:
-  n = s['num_steps']
+  n = len(s['steps_ms'])
   lines = [f'{name}: {s["function"]}, {n} step(s) traced, median '
            f'{statistics.median(s["steps_ms"]):.1f} ms; busy '
            f'{100 * s["busy"]:.0f}% of the step, overlap {s["overlap"]:.2f}']
@@ -126,10 +117,10 @@ def main(argv: Sequence[str] | None = None) -> int:
   parser.add_argument('--top', type=int, default=12,
                       help='Op types listed per task.')
   args = parser.parse_args(argv)
-  found = traces(args.logdir)
+  found = step_profile.latest_traces(args.logdir)
   if not found:
-    print(f'profile_report: no trace under '
-          f'{os.path.join(args.logdir, "profile")}; train with '
+    where = os.path.join(args.logdir, step_profile.PROFILE_DIR)
+    print(f'profile_report: no trace under {where}; train with '
           '--profile_steps=FIRST,LAST first.', file=sys.stderr)
     return 2
   for name, path in found.items():

@@ -22,6 +22,7 @@ untraced step's.
 
 from __future__ import annotations
 
+import glob
 import os
 
 import tensorflow as tf
@@ -51,17 +52,31 @@ def parse(values: list[str]) -> tuple[int, int] | None:
   return steps[0], steps[-1]
 
 
-def task_dir(logdir: str, task: int) -> str:
+def task_dir(logdir: str, task: int | str) -> str:
   """Where task `task` writes its trace (TensorBoard's run directory)."""
   return os.path.join(logdir, PROFILE_DIR, f'task{task}')
 
 
+def latest_traces(logdir: str) -> dict[str, str]:
+  """Per task directory (`task<i>`), its latest trace file (TF names it
+  plugins/profile/<time>/<host>.xplane.pb under the directory given)."""
+  found = {}
+  for path in sorted(glob.glob(task_dir(logdir, '*'))):
+    files = sorted(glob.glob(os.path.join(path, 'plugins', 'profile', '*',
+                                          '*.xplane.pb')))
+    if files:
+      found[os.path.basename(path)] = files[-1]
+  return found
+
+
 class StepProfiler:
   """Starts the profiler before step `first` and stops it after `last`
-  (or when training ends first, from `close`)."""
+  (or when training ends first, from `close`); does nothing if `steps` is
+  None (no --profile_steps)."""
 
-  def __init__(self, logdir: str, steps: tuple[int, int], task: int) -> None:
-    self._first, self._last = steps
+  def __init__(self, logdir: str, steps: tuple[int, int] | None,
+               task: int) -> None:
+    self._first, self._last = steps or (0, 0)  # Step 0 never runs.
     self._dir = task_dir(logdir, task)
     self._on = False
 
@@ -72,7 +87,7 @@ class StepProfiler:
       self._on = True
 
   def after(self, step: int) -> None:
-    if step >= self._last:
+    if self._on and step >= self._last:
       self.close()
 
   def close(self) -> None:

@@ -87,9 +87,9 @@ def test_two_stage_processes_train_like_one_process_and_shard_checkpoints(
 
 def _check_profiles(logdir, tasks, sends):
   """Each task traced its own 2 steps; the report reads them."""
-  proc = subprocess.run(
-      [sys.executable, str(_REPORT), str(logdir)], capture_output=True, text=True, timeout=120,
-      check=False)
+  proc = subprocess.run([sys.executable, str(_REPORT), str(logdir)],
+                        capture_output=True, text=True, timeout=120,
+                        check=False)
   assert proc.returncode == 0, proc.stderr[-3000:]
   heads = [l for l in proc.stdout.splitlines() if not l.startswith(' ')]
   assert [h.split(':')[0] for h in heads] == tasks, proc.stdout
