@@ -9,7 +9,7 @@ TF_CONFIG-style addresses h1:2222 …, pinned to core i mod #cores; the
 stage-to-stage link is h2's. A configuration's `rate_bits` is applied to
 that link between configurations: task 0 writes the request into the
 spec's `rate_dir` (stage_worker.py), a thread here limits or frees the
-link with `tc tbf` and acknowledges. Every task is stopped by PID when one
+link (`Hosts.limit`: htb in the switch) and acknowledges. Every task is stopped by PID when one
 fails or on a timeout, and dies with this process anyway (the harness).
 """
 

@@ -4,9 +4,9 @@ prediction from the link's rate; then the simulator at scale, on paper.
 Each round makes two hosts (tools/hosts.py: network namespaces on one
 switch) and runs one stage process on each (`host_procs.launch`, pinned to
 cores 0 and 1), once per M (4 and 8). In each launch GPipe and 1F1B are
-timed with h2's link unlimited, at 1 Gbit/s and at 100 Mbit/s (tc tbf in
-the switch, both ways), all in alternation, so the load of the machine
-hits every rate alike.
+timed with h2's link unlimited, at 1 Gbit/s and at 100 Mbit/s (htb in the
+switch, both ways, small packets first: `Hosts.limit`), all in
+alternation, so the load of the machine hits every rate alike.
 
 The network is one FC(512) per stage on a batch of 2048: a boundary of
 1 MiB at M=4 takes ~88 ms on a 100 Mbit/s wire and a forward ~4 ms, so at
@@ -33,7 +33,12 @@ as tbf counts it. t0 passes while the bytes flow (`Link.latency_overlaps`):
 each stage process has one core, busy computing, and its transfer's
 hand-offs wait for it as the bytes cross. Added to the wire instead, t0
 overpredicted the 1 Gbit/s cases, where wire and t0 are about as long.
-Transfers queue for the link: GPipe sends M boundaries at once. Target:
+Transfers queue for the link: GPipe sends M boundaries at once. Each
+direction is priced on its own, as a full-duplex link carries it: with
+one FIFO shaping a direction, 1F1B (which sends both ways at once) was
+measured 5-17% slower than this at 100 Mbit/s, its acknowledgements
+queued behind the other direction's data; the harness now sends small
+packets first (tools/hosts.py). Target:
 |predicted ÷ measured − 1| ≤ 0.15 for every limited case, in each of 3
 rounds.
 """
@@ -211,8 +216,11 @@ def render(s: dict[str, Any]) -> str:
             for i, r in enumerate(s['rounds'])]
   lines = [
       f'Network: {s["network"]}; K=2, recompute={RECOMPUTE}; stage 0 on '
-      'host h1, stage 1 on h2, h2\'s link limited with tc tbf (both '
-      'ways, in the switch). Measured: the median wall-clock step of '
+      'host h1, stage 1 on h2, h2\'s link limited in the switch, both '
+      'ways (tc htb, small packets such as TCP acknowledgements first: '
+      'with one FIFO they queued behind the other direction\'s data, and '
+      'until 2026-11-28 1F1B at 100 Mbit/s was measured 5-17% slower than '
+      'predicted). Measured: the median wall-clock step of '
       f'{s["reps"]} steps per rate, rates alternated within one launch '
       '(one launch per M). Predicted from the unlimited link\'s op times '
       f'(medians of {s["record"]} recorded steps), its fixed hop time t0 '
