@@ -356,7 +356,6 @@ class Executor:
 
   def _send(self, d: int, a: Action, r: dict[str, Any],
             state: StepState) -> dict[str, Any]:
-    del d
     s, m = a.stage, a.micro_batch
     forward = a.kind == 'SEND_F'
     to = s + 1 if forward else s - 1
@@ -368,6 +367,8 @@ class Executor:
         None if self.specs is None else self._wire_spec(forward, to))
     if token is not None:
       state.sends.append(token)
+      if state.loop is not None:
+        state.after[d] = dependency.behind_send(state.after[d], token)
     return {'wire': None}
 
   def _recv(self, d: int, a: Action, r: dict[str, Any],

@@ -305,14 +305,21 @@ def _parse_tf_config(text: str) -> tuple[dict[str, list[str]], str, int]:
 
 
 def _configure_threads() -> None:
-  """Intra-op threads = the cores this process may use; a few more inter-op
-  threads so collectives and compute of one stage interleave."""
+  """Intra-op and inter-op threads = the cores this process may use.
+
+  More inter-op threads than cores only time-slice kernels on a core: two
+  kernels of a stage then run at once, each slower, and the one the other
+  stage waits for finishes later (DEVELOPERS.md). Collectives and function
+  calls are asynchronous kernels that hold no inter-op thread while they
+  wait, so transfers still overlap compute. With one thread, a send in a
+  loop must be ordered (`dependency.behind_send`).
+  """
   ncores = len(os.sched_getaffinity(0))
   if ncores >= (os.cpu_count() or 1):
     return  # Not pinned: TensorFlow's defaults.
   try:
     tf.config.threading.set_intra_op_parallelism_threads(ncores)
-    tf.config.threading.set_inter_op_parallelism_threads(ncores + 1)
+    tf.config.threading.set_inter_op_parallelism_threads(ncores)
   except RuntimeError as e:
     raise ClusterError(_TOO_LATE.format(e)) from None
 

@@ -8,6 +8,7 @@ gets a clear error. No timed assertions: waits are generous limits.
 """
 
 import json
+import os
 import re
 import signal
 import socket
@@ -146,7 +147,6 @@ def _slice_ns(tid):
 
 
 def test_compute_threads_get_a_short_slice_and_keep_their_share():
-  import os  # pylint: disable=g-import-not-at-top
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   tf.constant(1.0) + 1.0  # The runtime, with its inter-op pool, exists.
   tids = processes.compute_threads()
@@ -167,6 +167,26 @@ def test_compute_threads_get_a_short_slice_and_keep_their_share():
   finally:
     processes.shorten_slices(0, tids)
   assert {_slice_ns(t) for t in tids} == {before[t][0] for t in tids}
+
+
+def test_a_pinned_process_runs_one_kernel_per_core():
+  """A task pinned to one core gets one inter-op thread, not two that
+  time-slice two kernels on the core (processes._configure_threads)."""
+  code = textwrap.dedent("""
+      import os
+      os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+      import tensorflow as tf
+      from lingvo_pipe.pipeline import processes
+      processes._configure_threads()  # What processes.start() calls.
+      print(tf.config.threading.get_inter_op_parallelism_threads(),
+            tf.config.threading.get_intra_op_parallelism_threads())
+      """)
+  if len(os.sched_getaffinity(0)) < 2:
+    pytest.skip('one core: a pinned task keeps TensorFlow\'s defaults')
+  proc = subprocess.run([sys.executable, '-c', code], capture_output=True,
+                        text=True, timeout=120)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  assert proc.stdout.split() == ['1', '1']
 
 
 def _judged(monkeypatch, failures, num_tasks=4):
