@@ -2,8 +2,19 @@
 
 Every process started here is killed by PID when the call returns, whatever
 happened; `Tasks` does the same for a test that drives processes itself.
+
+A test script (`Tasks.start([script.py, ...])`) runs in a child forked from
+a server that has imported TensorFlow and the pipeline's modules once
+(multiprocessing's forkserver; no TensorFlow context yet, so no thread pool
+is forked), as `python script.py ...` would run it: its own argv, cwd,
+environment and stdout/stderr files. Importing TensorFlow is ~5 s of CPU
+per process, and the stage-process tests start ~60 of them. What this does
+not cover is a process's own start-up: the launcher (`-m lingvo_pipe.launch`)
+and the binaries' tests start real interpreters.
 """
 
+import multiprocessing
+import multiprocessing.forkserver
 import os
 import signal
 import subprocess
@@ -11,6 +22,13 @@ import sys
 import time
 
 from lingvo_pipe import launch
+
+import forked_preload  # pylint: disable=g-bad-import-order
+
+# Imported once by the fork server (forked_preload.py: TF, quietly, and the
+# modules every stand-in stage process imports).
+_PRELOAD = ['forked_preload']
+_context = None
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)),
                       'runtime_worker.py')
@@ -36,6 +54,62 @@ def spec(ports) -> str:
   return 'worker=' + ','.join(f'127.0.0.1:{p}' for p in ports)
 
 
+def _fork_server():
+  """multiprocessing's forkserver context, its server started with
+  `_PRELOAD` imported. The server imports those on the sys.path of a new
+  interpreter (Python 3.11 drops the sys_path it is given), so it starts
+  with this directory on PYTHONPATH; otherwise the import fails silently
+  and every child imports TensorFlow itself."""
+  global _context
+  if _context is None:
+    context = multiprocessing.get_context('forkserver')
+    context.set_forkserver_preload(_PRELOAD)
+    saved = os.environ.get('PYTHONPATH')
+    os.environ['PYTHONPATH'] = os.pathsep.join(
+        [os.path.dirname(os.path.abspath(__file__))] + ([saved] if saved
+                                                        else []))
+    try:
+      multiprocessing.forkserver.ensure_running()
+    finally:
+      if saved is None:
+        del os.environ['PYTHONPATH']
+      else:
+        os.environ['PYTHONPATH'] = saved
+    _context = context
+  return _context
+
+
+class Forked:
+  """`python script.py args…` as a child of the preloaded fork server, with
+  the Popen methods the tests use (pid, args, poll, wait, send_signal,
+  returncode: negative for a signal)."""
+
+  def __init__(self, args, out_path: str, err_path: str) -> None:
+    self.args = [sys.executable] + list(args)
+    self._proc = _fork_server().Process(
+        target=forked_preload.run_script, args=(list(args), env(), ROOT, out_path,
+                                  err_path), daemon=False)
+    self._proc.start()
+    self.pid = self._proc.pid
+
+  @property
+  def returncode(self):
+    return self._proc.exitcode
+
+  def poll(self):
+    return self._proc.exitcode
+
+  def wait(self, timeout=None):
+    self._proc.join(timeout)
+    if self._proc.exitcode is None:
+      raise subprocess.TimeoutExpired(self.args, timeout)
+    return self._proc.exitcode
+
+  def send_signal(self, sig) -> None:
+    if self._proc.exitcode is None:
+      os.kill(self.pid, sig)
+
+
 class Tasks:
   """Processes of one test; `kill_all()` (also on exit) stops them by PID."""
 
@@ -44,12 +118,17 @@ class Tasks:
     self.logs = []
     self._tmp = tmp_path
 
-  def start(self, args, name: str) -> subprocess.Popen:
+  def start(self, args, name: str):
+    """Runs `python *args`: a script forked from the preloaded server, a
+    module (`-m ...`) in a process of its own. Returns a Popen-like."""
     out = open(self._tmp / f'{name}.out', 'w+')
     err = open(self._tmp / f'{name}.err', 'w+')
     self.logs.append((out, err))
-    proc = subprocess.Popen([sys.executable] + list(args), stdout=out,
-                            stderr=err, env=env(), cwd=ROOT)
+    if str(args[0]).endswith('.py'):
+      proc = Forked(list(args), out.name, err.name)
+    else:
+      proc = subprocess.Popen([sys.executable] + list(args), stdout=out,
+                              stderr=err, env=env(), cwd=ROOT)
     self.procs.append(proc)
     return proc
 
