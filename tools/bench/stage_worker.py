@@ -7,7 +7,8 @@
 Every task of the run reads the same spec (JSON, written by
 `stage_procs.py`): a list of configurations, each a training step of an FC
 stack (FPropLoss of a PipeliningLayer + SGD in one `tf.function`, or a
-hand-written tape step), and how to time them. A configuration is either
+hand-written tape step, `kind: "hand"`, optionally over `micro_batches`
+slices), and how to time them. A configuration is either
 
 * `scope: "run"` — built after `placement.use(peers)`: a pipeline of K
   stages × R replicas over every task of the run (K·R = #tasks);
@@ -120,10 +121,15 @@ def _step_fn(tf: Any, cfg: dict[str, Any], net: Any, x: Any,
     with tf.GradientTape() as tape:
       with fprop_context.scope(training=True, step=0):
         if cfg.get('kind') == 'hand':  # No pipeline, no recompute.
-          y = x
-          for layer in net.children.layers:
-            y = layer.FProp(layer.theta, y)
-          loss = _loss_fn(tf)(y, labels)['loss'][0]
+          # `micro_batches`: the same kernels on M slices of the batch, one
+          # after another, unrolled (what M does to the kernels alone).
+          m = cfg.get('micro_batches', 1)
+          losses = []
+          for xs, ls in zip(tf.split(x, m), tf.split(labels, m)):
+            for layer in net.children.layers:
+              xs = layer.FProp(layer.theta, xs)
+            losses.append(_loss_fn(tf)(xs, ls)['loss'][0])
+          loss = tf.add_n(losses) / m
         else:
           loss = net.FPropLoss(net.theta, (x,), labels,
                                _loss_fn(tf))['loss'][0]

@@ -10,6 +10,13 @@ the first step). The slower task's figures count.
 
   graph growth  = ops at M=64 ÷ ops at M=8 − 1          target ≤ 0.20
   first call    = first call at M=64 ÷ at M=8          target ≤ 1.3
+
+The first call holds one step, and a step at M=64 runs 8× as many kernels
+on 1/8 the rows each. What that costs the kernels alone is measured in the
+same round: one stage's layers as a hand-written tape step over M slices
+of the batch (no pipeline, no recompute) in one process on one core. The
+section prints it beside the first call less the step (tracing, graph
+optimisation and the first run's set-up), so a miss says which grew.
 """
 
 from __future__ import annotations
@@ -45,6 +52,17 @@ def _measure(net: common.NetSpec, schedule: str, m: int) -> dict[str, Any]:
           'step_s': max(t['times_s'][0] for t in tasks)}
 
 
+def _kernels(net: common.NetSpec, ms: tuple[int, ...]) -> dict[str, float]:
+  """Median step of one stage's layers, hand-written over M slices."""
+  stage = [net.num_layers // 2, net.width, net.batch]
+  configs = [{'name': f'M={m}', 'scope': 'local', 'tasks': [0],
+              'kind': 'hand', 'micro_batches': m, 'net': stage, 'K': 1,
+              'M': 1} for m in ms]
+  run = stage_procs.launch({'configs': configs, 'warmup': 1, 'reps': 5,
+                            'record': 0}, 1)
+  return {f'M={m}': stage_procs.median_step(run, f'M={m}') for m in ms}
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
   cfg = sizes(args.tiny)
   small, large = cfg['ms']
@@ -56,6 +74,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     common.log(f'tracing: round {i + 1} ({cfg["net"].describe()})')
     rounds.append({f'{s} M={m}': _measure(cfg['net'], s, m)
                    for s, m in order})
+    rounds[-1]['kernels'] = _kernels(cfg['net'], cfg['ms'])
   targets = []
   for s in SCHEDULES:
     ops = [r[f'{s} M={large}']['graph_ops'] / r[f'{s} M={small}']['graph_ops']
@@ -70,6 +89,27 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         'rounds', statistics.median(first), '<=', TARGET_FIRST_CALL, '×'))
   return {'network': cfg['net'].describe(), 'ms': list(cfg['ms']),
           'rounds': rounds, 'targets': targets}
+
+
+def _growth(s: dict[str, Any]) -> list[str]:
+  """Medians of rounds: what of the first call grew, M=large ÷ M=small."""
+  small, large = s['ms']
+
+  def ratio(fn: Any) -> float:
+    return statistics.median(fn(r, f'M={large}') / fn(r, f'M={small}')
+                             for r in s['rounds'])
+
+  lines = [f'- the kernels alone (one stage\'s layers, hand-written over M '
+           f'slices, one core): step at M={large} ÷ M={small}: '
+           f'{ratio(lambda r, m: r["kernels"][m]):.2f}×']
+  for sched in SCHEDULES:
+    step = ratio(lambda r, m: r[f'{sched} {m}']['step_s'])
+    rest = ratio(lambda r, m: r[f'{sched} {m}']['first_call_s']
+                 - r[f'{sched} {m}']['step_s'])
+    lines.append(f'- {sched}: step at M={large} ÷ M={small}: {step:.2f}×; '
+                 f'first call less one step (tracing, graph optimisation, '
+                 f'first run\'s set-up): {rest:.2f}×')
+  return lines
 
 
 def render(s: dict[str, Any]) -> str:
@@ -93,4 +133,5 @@ def render(s: dict[str, Any]) -> str:
                     f'step M={small} (s)', f'step M={large} (s)'], rows),
       '',
       report.target_lines(s['targets']),
+      *(_growth(s) if 'kernels' in s['rounds'][0] else []),
   ])
