@@ -345,15 +345,20 @@ class Trainer:
     raise _cli.RunStopped(exit_code=1)
 
 
-def build_params() -> Params:
-  """Registry params + overrides + flags, validated."""
+def _overridden_params() -> Params:
+  """Registry params + the override file and --override."""
   if not _MODEL.value:
     raise _cli.UserError('--model is required, e.g. '
                          '--model=synthetic.regression.MlpRegression.')
   params = model_registry.get_params(_MODEL.value, 'Train')
   file_text = (_cli.read_override_file(_OVERRIDE_FILE.value)
                if _OVERRIDE_FILE.value else '')
-  _cli.apply_overrides(params, file_text, _OVERRIDE.value)
+  return _cli.apply_overrides(params, file_text, _OVERRIDE.value)
+
+
+def build_params() -> Params:
+  """Registry params + overrides + flags, validated."""
+  params = _overridden_params()
   if _MAX_STEPS.value is not None:
     params.task.train.max_steps = _MAX_STEPS.value
   if _MAX_MINUTES.value < 0:
@@ -363,6 +368,22 @@ def build_params() -> Params:
   _cli.set_devices(params, _DEVICES.value)
   _cli.validate_train_params(params)
   return params
+
+
+def _inter_op_threads() -> int:
+  """--inter_op_threads, or for 0 what the model's schedule needs: read
+  from its params before TensorFlow starts (building them starts nothing).
+  Params that do not build give 0 here; `build_params` reports them."""
+  if flags.FLAGS.inter_op_threads:
+    return flags.FLAGS.inter_op_threads
+  try:
+    params = _overridden_params()
+  except Exception:  # pylint: disable=broad-except
+    return 0
+  schedules: list[object] = []
+  params.Visit(lambda key, value: schedules.append(value)
+               if key.rsplit('.', 1)[-1] == 'schedule' else None)
+  return max([processes.inter_op_threads_for(s) for s in schedules] + [0])
 
 
 def _inspect(params: Params) -> str:
@@ -414,7 +435,8 @@ def _main(argv: list[str]) -> None:
           cluster, collective_timeout_s=flags.FLAGS.collective_timeout_secs,
           peer_timeout_s=flags.FLAGS.peer_timeout_secs,
           unreachable_s=flags.FLAGS.peer_unreachable_secs,
-          compute_slice_us=flags.FLAGS.compute_slice_us)
+          compute_slice_us=flags.FLAGS.compute_slice_us,
+          inter_op_threads=_inter_op_threads())
       placement.use(runtime.peers)
     if _DETERMINISTIC.value:
       tf.config.experimental.enable_op_determinism()

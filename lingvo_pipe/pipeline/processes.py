@@ -135,7 +135,8 @@ def cluster_from(cluster_spec: str = '', job: str = DEFAULT_JOB,
 def start(config: ClusterConfig | None, *, cores: Sequence[int] | None = None,
           collective_timeout_s: float = 300.0, peer_timeout_s: float = 120.0,
           unreachable_s: float = 10.0, watchdog: bool = True,
-          op_timeouts: bool = False, compute_slice_us: int = 0) -> 'Runtime':
+          op_timeouts: bool = False, compute_slice_us: int = 0,
+          inter_op_threads: int = 0) -> 'Runtime':
   """Starts this task of the run; call it before any TensorFlow op.
 
   Args:
@@ -155,6 +156,8 @@ def start(config: ClusterConfig | None, *, cores: Sequence[int] | None = None,
       trainer's step deadline (`watchdog.expect_step`) bounds a hang.
     compute_slice_us: give TF's compute threads this scheduler time slice
       (`shorten_slices`); 0 keeps the kernel's default.
+    inter_op_threads: TF's inter-op threads; 0: one per core of the mask
+      (`inter_op_threads_for` picks one more for a split schedule).
 
   Raises:
     ClusterError: TF already started, a port in use, or a failed barrier.
@@ -162,7 +165,7 @@ def start(config: ClusterConfig | None, *, cores: Sequence[int] | None = None,
   """
   if cores:
     os.sched_setaffinity(0, set(cores))
-  _configure_threads()
+  _configure_threads(inter_op_threads)
   if config is None:
     return Runtime(collective.Peers.local(), None)
   # No TF timeout on each op (a sleeping thread per op: collective.py); the
@@ -194,7 +197,7 @@ def define_flags() -> None:
   """Defines the cluster flags of a worker binary (absl); call it once, at
   the binary's top level: --cluster_spec, --job, --task,
   --collective_timeout_secs, --peer_timeout_secs, --peer_unreachable_secs,
-  --compute_slice_us."""
+  --compute_slice_us, --inter_op_threads."""
   flags.DEFINE_string('cluster_spec', '', 'The run\'s tasks, Lingvo style: '
                       '"worker=host:port,host:port"; empty: TF_CONFIG, or '
                       'one process.')
@@ -219,12 +222,18 @@ def define_flags() -> None:
                        'elsewhere no effect; tools/benchmark.py slices '
                        'measures it); 0: the kernel\'s default.',
                        lower_bound=0)
+  flags.DEFINE_integer('inter_op_threads', 0, 'TensorFlow\'s inter-op '
+                       'threads in this process; 0: one per core it may '
+                       'use, and one more when the model\'s schedule splits '
+                       'its backward (zb_h1, zb_v), whose sends otherwise '
+                       'wait behind its weight gradients.', lower_bound=0)
 
 
 def start_from_flags(**kwargs: Any) -> 'Runtime':
   """`start` with the flags of `define_flags` (after absl parsed them)."""
   f = flags.FLAGS
   config = cluster_from(f.cluster_spec, f.job, f.task)
+  kwargs.setdefault('inter_op_threads', f.inter_op_threads)
   return start(config, collective_timeout_s=f.collective_timeout_secs,
                peer_timeout_s=f.peer_timeout_secs,
                unreachable_s=f.peer_unreachable_secs,
@@ -319,24 +328,48 @@ def _parse_tf_config(text: str) -> tuple[dict[str, list[str]], str, int]:
         '{"type": "worker", "index": i}}.') from None
 
 
-def _configure_threads() -> None:
-  """Intra-op and inter-op threads = the cores this process may use.
+def _configure_threads(inter_op_threads: int = 0) -> None:
+  """Intra-op threads = the cores this process may use; inter-op threads
+  the same unless `inter_op_threads` says otherwise.
 
   More inter-op threads than cores only time-slice kernels on a core: two
   kernels of a stage then run at once, each slower, and the one the other
   stage waits for finishes later (DEVELOPERS.md). Collectives and function
   calls are asynchronous kernels that hold no inter-op thread while they
   wait, so transfers still overlap compute. With one thread, a send in a
-  loop must be ordered (`dependency.behind_send`).
+  loop must be ordered (`dependency.behind_send`), and a schedule that
+  splits its backward needs a second thread (`inter_op_threads_for`).
   """
   ncores = len(os.sched_getaffinity(0))
-  if ncores >= (os.cpu_count() or 1):
+  if ncores >= (os.cpu_count() or 1) and not inter_op_threads:
     return  # Not pinned: TensorFlow's defaults.
   try:
-    tf.config.threading.set_intra_op_parallelism_threads(ncores)
-    tf.config.threading.set_inter_op_parallelism_threads(ncores)
+    if ncores < (os.cpu_count() or 1):
+      tf.config.threading.set_intra_op_parallelism_threads(ncores)
+    tf.config.threading.set_inter_op_parallelism_threads(
+        inter_op_threads or ncores)
   except RuntimeError as e:
     raise ClusterError(_TOO_LATE.format(e)) from None
+
+
+def inter_op_threads_for(schedule: Any) -> int:
+  """`start`'s inter_op_threads for a pipeline's `p.schedule`: 0 (one per
+  core), or one more than the cores for a schedule that splits its
+  backward into I and W (zb_h1, zb_v, a text schedule with I/W actions).
+
+  With one thread per core, a split schedule's W and next F were ready
+  whenever a send was, and TF's executor ran them first: the value left
+  only when the device ran out of compute. At K=2, M=8 (16 × FC 512,
+  recompute never, AMD EPYC, 2 launches each) the two processes were busy
+  at once 55% (zb_h1) and 30% (zb_v) of the step, and zb_h1 took 1.06×
+  1F1B's step, zb_v 1.46×. With a second thread, 90% and 78%, and 0.87×
+  and 1.03× (DEVELOPERS.md). GPipe and 1F1B idle while they wait, so the
+  send goes out; a second thread only time-slices their kernels.
+  """
+  from lingvo_pipe.pipeline import schedule as schedule_lib  # pylint: disable=C0415
+  if not schedule_lib.splits_backward(schedule):
+    return 0
+  return len(os.sched_getaffinity(0)) + 1
 
 
 _TOO_LATE = ('processes.start() came after TensorFlow\'s runtime started '

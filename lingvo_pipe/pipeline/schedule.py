@@ -48,7 +48,8 @@ __all__ = [
     'Action', 'RECOMPUTE_POLICIES', 'SCHEDULES', 'Schedule', 'ScheduleError',
     'check_schedule', 'clock_cycles', 'emission_order', 'gpipe_schedule',
     'chunks_of', 'interleaved_schedule', 'make_schedule',
-    'one_f_one_b_schedule', 'recomputes', 'run_times', 'stage_devices',
+    'one_f_one_b_schedule', 'recomputes', 'run_times', 'splits_backward',
+    'stage_devices',
 ]
 
 RECOMPUTE_POLICIES = ('always', 'needed', 'except_last', 'never')
@@ -203,6 +204,23 @@ def is_text(spec: str) -> bool:
   (else it names a built-in schedule)."""
   return isinstance(spec, str) and spec not in SCHEDULES and (
       '\n' in spec or ':' in spec or os.path.isfile(spec))
+
+
+def splits_backward(spec: 'str | Schedule') -> bool:
+  """Whether `p.schedule` (a name, a schedule's text or file, or a
+  Schedule) splits a backward into I and W. Text that does not parse is
+  False here: `make_schedule` reports it."""
+  if isinstance(spec, Schedule):
+    return any(a.kind == 'I' for ops in spec.actions for a in ops)
+  if spec in ('zb_h1', 'zb_v'):
+    return True
+  if not is_text(spec):
+    return False
+  from lingvo_pipe.pipeline import schedule_text  # pylint: disable=C0415
+  try:
+    return splits_backward(schedule_text.read(spec))
+  except ScheduleError:
+    return False
 
 
 def make_schedule(name: str, num_stages: int, num_micro_batches: int,

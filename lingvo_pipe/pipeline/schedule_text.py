@@ -31,7 +31,7 @@ import re
 from lingvo_pipe.pipeline import actions as actions_lib
 from lingvo_pipe.pipeline.actions import Action, Schedule, ScheduleError
 
-__all__ = ['check_actions', 'from_text', 'grid', 'load', 'to_text',
+__all__ = ['check_actions', 'from_text', 'grid', 'load', 'read', 'to_text',
            'validate']
 
 _ROW = re.compile(r'^\s*(?:device\s*)?(\d+)\s*:(.*)$')
@@ -106,16 +106,21 @@ def _parse(token: str, device: int, line: int) -> tuple[str, int, int]:
   return found[1], int(found[2]), stage
 
 
+def read(spec: str) -> Schedule:
+  """A validated schedule from its text or a file path (named after the
+  file, else 'custom')."""
+  if '\n' not in spec and os.path.isfile(spec):
+    with open(spec, encoding='utf-8') as f:
+      return from_text(f.read(), os.path.basename(spec))
+  return from_text(spec)
+
+
 def load(spec: str, num_devices: int,
          num_micro_batches: int | None) -> Schedule:
   """A schedule from its text or a file path, checked against the
   pipeline's K devices and M micro-batches (None: any M)."""
-  name = 'custom'
-  if '\n' not in spec and os.path.isfile(spec):
-    name = os.path.basename(spec)
-    with open(spec, encoding='utf-8') as f:
-      spec = f.read()
-  schedule = from_text(spec, name)
+  schedule = read(spec)
+  name = schedule.name
   if schedule.num_devices != num_devices:
     raise ScheduleError(
         f'The schedule {name!r} has {schedule.num_devices} device rows but '

@@ -169,15 +169,21 @@ def test_compute_threads_get_a_short_slice_and_keep_their_share():
   assert {_slice_ns(t) for t in tids} == {before[t][0] for t in tids}
 
 
-def test_a_pinned_process_runs_one_kernel_per_core():
+@pytest.mark.parametrize('schedule, threads', [('1f1b', '1'),
+                                               ('zb_h1', '2')])
+def test_a_pinned_process_runs_one_kernel_per_core(schedule, threads):
   """A task pinned to one core gets one inter-op thread, not two that
-  time-slice two kernels on the core (processes._configure_threads)."""
-  code = textwrap.dedent("""
+  time-slice two kernels on the core (processes._configure_threads); a
+  schedule that splits its backward gets a second one, to send while W
+  runs (processes.inter_op_threads_for)."""
+  code = textwrap.dedent(f"""
       import os
-      os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+      os.sched_setaffinity(0, {{min(os.sched_getaffinity(0))}})
       import tensorflow as tf
       from lingvo_pipe.pipeline import processes
-      processes._configure_threads()  # What processes.start() calls.
+      # What processes.start() calls, with what the trainer asks for.
+      processes._configure_threads(processes.inter_op_threads_for(
+          {schedule!r}))
       print(tf.config.threading.get_inter_op_parallelism_threads(),
             tf.config.threading.get_intra_op_parallelism_threads())
       """)
@@ -186,7 +192,20 @@ def test_a_pinned_process_runs_one_kernel_per_core():
   proc = subprocess.run([sys.executable, '-c', code], capture_output=True,
                         text=True, timeout=120)
   assert proc.returncode == 0, proc.stderr[-2000:]
-  assert proc.stdout.split() == ['1', '1']
+  assert proc.stdout.split() == [threads, '1']
+
+
+@pytest.mark.parametrize('schedule, splits', [
+    ('gpipe', False), ('1f1b', False), ('interleaved', False),
+    ('zb_h1', True), ('zb_v', True),
+    ('device 0: F0 I0 W0\ndevice 1: F0 I0 W0', True),
+    ('device 0: F0 B0\ndevice 1: F0 B0', False),
+    ('device 0: F0 X0', False),  # Not a schedule: make_schedule says so.
+])
+def test_only_a_split_schedule_asks_for_another_thread(schedule, splits):
+  cores = len(os.sched_getaffinity(0))
+  assert processes.inter_op_threads_for(schedule) == (cores + 1 if splits
+                                                      else 0)
 
 
 def _judged(monkeypatch, failures, num_tasks=4):

@@ -3,9 +3,12 @@
 ZB-H1 and ZB-V split each backward into I (the input gradient, which the
 previous stage waits for) and W (the weight gradients, which nothing waits
 for), and run W where 1F1B idles. On the `schedules` section's network,
-K=2 stage processes, M=8 and 16, recompute never and always, one launch
-per round and M runs 1F1B, zb_h1 and zb_v in alternation and records one step
-of each; torch.distributed.pipelining's 1F1B, `ScheduleInterleavedZeroBubble`
+K=2 stage processes, M=8 and 16, recompute never and always. Per round
+and M, two launches in alternating order: 1F1B's, and zb_h1's and zb_v's in
+alternation, each launch with the inter-op threads the trainer gives its
+schedules (`processes.inter_op_threads_for`: one per core, one more for a
+split backward); each records one step of each configuration.
+torch.distributed.pipelining's 1F1B, `ScheduleInterleavedZeroBubble`
 and `ScheduleZBVZeroBubble` (gloo, two processes pinned like ours) run on
 the same network between our rounds.
 
@@ -44,7 +47,7 @@ MIB = 2**20
 
 def sizes(tiny: bool) -> dict[str, Any]:
   if tiny:
-    # One M (one launch): the CI budget.
+    # One M (two launches): the CI budget.
     return {'net': common.NetSpec(4, 32, 32), 'reps': 1, 'rounds': 1,
             'ms': MS[:1]}
   return {'net': common.NetSpec(16, 512, 1024), 'reps': 7, 'rounds': 3,
@@ -55,25 +58,28 @@ def _name(schedule: str, recompute: str, m: int) -> str:
   return f'{schedule} {recompute} M={m}'
 
 
-def _ours(net: common.NetSpec, reps: int, ms: tuple[int, ...]
-          ) -> dict[str, dict[str, Any]]:
-  """One launch per M (a transfer's collective instance keeps its shape
-  for the process's life, and M changes the micro-batch's): every
-  configuration, timed, recorded, memory measured."""
+def _ours(net: common.NetSpec, reps: int, ms: tuple[int, ...],
+          first_split: bool) -> dict[str, dict[str, Any]]:
+  """Launches per M (a transfer's collective instance keeps its shape for
+  the process's life, and M changes the micro-batch's) and per thread
+  count (1F1B's, the split schedules'): every configuration, timed,
+  recorded, memory measured."""
+  groups = [SCHEDULES[:1], SCHEDULES[1:]]
   out = {}
   for m in ms:
-    out.update(_launch(net, reps, m))
+    for schedules in groups[::-1] if first_split else groups:
+      out.update(_launch(net, reps, m, schedules))
   return out
 
 
-def _launch(net: common.NetSpec, reps: int, m: int
-            ) -> dict[str, dict[str, Any]]:
+def _launch(net: common.NetSpec, reps: int, m: int,
+            schedules: tuple[str, ...]) -> dict[str, dict[str, Any]]:
   from lingvo_pipe.pipeline import simulator  # pylint: disable=C0415
   from lingvo_pipe.pipeline import timeline  # pylint: disable=C0415
   configs = [{'name': _name(s, r, m), 'scope': 'run', 'K': K, 'M': m,
               'schedule': s, 'recompute': r,
               'net': [net.num_layers, net.width, net.batch]}
-             for r in RECOMPUTES for s in SCHEDULES]
+             for r in RECOMPUTES for s in schedules]
   run = stage_procs.launch({'configs': configs, 'warmup': 1, 'reps': reps,
                             'record': 1, 'memory': True}, K)
   out = {}
@@ -105,7 +111,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
   torch_ok = peer.have_torch()
   for i in range(cfg['rounds']):
     common.log(f'zero_bubble: round {i + 1}, ours ({cfg["net"].describe()})')
-    rounds.append(_ours(cfg['net'], reps, cfg['ms']))
+    rounds.append(_ours(cfg['net'], reps, cfg['ms'], bool(i % 2)))
     if torch_ok:
       for m in cfg['ms']:
         common.log(f'zero_bubble: round {i + 1}, torch M={m}')
@@ -183,8 +189,10 @@ def render(s: dict[str, Any]) -> str:
                  torch_s if torch_s is not None else '–'])
   lines = [
       f'Network: {s["network"]}; K={K} stage processes (core 0, core 1), '
-      f'SGD. Wall step: median of {s["reps"]} alternating steps, then over '
-      f'{len(s["rounds"])} round(s). Span and prediction: one recorded '
+      f'SGD; 1F1B and the split schedules in launches of their own, each '
+      'with the trainer\'s inter-op threads (one per core; one more for a '
+      f'split backward). Wall step: median of {s["reps"]} alternating steps, '
+      f'then over {len(s["rounds"])} round(s). Span and prediction: one recorded '
       'step; predicted by the simulator from that step\'s own median F, R, '
       'B, I and W durations. Activations per process (stage 0 / 1): '
       'allocator peak − bytes before − one copy of the weights; predicted: '
