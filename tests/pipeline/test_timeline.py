@@ -238,12 +238,19 @@ def test_split_backward_brackets_hold_their_compute():
   recorder = timeline.StepRecorder(net, (x,), loss_fn,
                                    labels=tf.zeros([256, d]))
   recorder()
-  recs = recorder()
-  by_kind = {k: [r.end - r.start for r in recs if r.kind == k]
-             for k in 'FIW'}
-  assert all(len(v) == 2 for v in by_kind.values())
-  assert min(by_kind['I']) > 0.2 * max(by_kind['W']), by_kind
-  # The stamps bracket the device's compute: back to back on one device,
-  # the recorded ops leave little of the span uncovered.
-  busy = sum(r.end - r.start for r in recs)
-  assert busy > 0.6 * max(r.end for r in recs), (busy, recs)
+
+  def _brackets_hold(recs):
+    by_kind = {k: [r.end - r.start for r in recs if r.kind == k]
+               for k in 'FIW'}
+    assert all(len(v) == 2 for v in by_kind.values())
+    # The stamps bracket the device's compute: back to back on one device,
+    # the recorded ops leave little of the span uncovered.
+    busy = sum(r.end - r.start for r in recs)
+    return (min(by_kind['I']) > 0.2 * max(by_kind['W']) and
+            busy > 0.6 * max(r.end for r in recs))
+
+  # One of a few steps: a test running beside others (Bazel runs two) can
+  # lose the core between two ops of one step, which no bracket prevents;
+  # the regression put I's compute outside its stamps in every step.
+  steps = [recorder() for _ in range(3)]
+  assert any(_brackets_hold(recs) for recs in steps), steps
