@@ -383,7 +383,7 @@ def _inter_op_threads() -> int:
   schedules: list[object] = []
   params.Visit(lambda key, value: schedules.append(value)
                if key.rsplit('.', 1)[-1] == 'schedule' else None)
-  return max([processes.inter_op_threads_for(s) for s in schedules] + [0])
+  return processes.inter_op_threads_for(*schedules)
 
 
 def _inspect(params: Params) -> str:

@@ -341,10 +341,11 @@ def _configure_threads(inter_op_threads: int = 0) -> None:
   splits its backward needs a second thread (`inter_op_threads_for`).
   """
   ncores = len(os.sched_getaffinity(0))
-  if ncores >= (os.cpu_count() or 1) and not inter_op_threads:
+  pinned = ncores < (os.cpu_count() or 1)
+  if not pinned and not inter_op_threads:
     return  # Not pinned: TensorFlow's defaults.
   try:
-    if ncores < (os.cpu_count() or 1):
+    if pinned:
       tf.config.threading.set_intra_op_parallelism_threads(ncores)
     tf.config.threading.set_inter_op_parallelism_threads(
         inter_op_threads or ncores)
@@ -352,10 +353,11 @@ def _configure_threads(inter_op_threads: int = 0) -> None:
     raise ClusterError(_TOO_LATE.format(e)) from None
 
 
-def inter_op_threads_for(schedule: Any) -> int:
-  """`start`'s inter_op_threads for a pipeline's `p.schedule`: 0 (one per
-  core), or one more than the cores for a schedule that splits its
-  backward into I and W (zb_h1, zb_v, a text schedule with I/W actions).
+def inter_op_threads_for(*schedules: Any) -> int:
+  """`start`'s inter_op_threads for a process running pipelines of these
+  `p.schedule`s: 0 (one per core), or one more than the cores if one of
+  them splits its backward into I and W (zb_h1, zb_v, a text schedule
+  with I/W actions).
 
   With one thread per core, a split schedule's W and next F were ready
   whenever a send was, and TF's executor ran them first: the value left
@@ -367,7 +369,7 @@ def inter_op_threads_for(schedule: Any) -> int:
   send goes out; a second thread only time-slices their kernels.
   """
   from lingvo_pipe.pipeline import schedule as schedule_lib  # pylint: disable=C0415
-  if not schedule_lib.splits_backward(schedule):
+  if not any(schedule_lib.splits_backward(s) for s in schedules):
     return 0
   return len(os.sched_getaffinity(0)) + 1
 

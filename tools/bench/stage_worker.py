@@ -321,9 +321,9 @@ def main(argv: list[str]) -> None:
   path = None
   # The schedules' threads, as the trainer picks them (--inter_op_threads
   # overrides): one launch holds configs of one kind.
-  threads = flags.FLAGS.inter_op_threads or max(
-      [processes.inter_op_threads_for(c.get('schedule', 'gpipe'))
-       for c in spec['configs'] if c['scope'] == 'run'] + [0])
+  threads = flags.FLAGS.inter_op_threads or processes.inter_op_threads_for(
+      *(c.get('schedule', 'gpipe') for c in spec['configs']
+        if c['scope'] == 'run'))
   with processes.start_from_flags(inter_op_threads=threads) as peers:
     import tensorflow as tf  # pylint: disable=g-import-not-at-top
     path = os.path.join(_OUT_DIR.value, f'task{peers.task}.json')

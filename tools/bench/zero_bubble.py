@@ -64,7 +64,10 @@ def _ours(net: common.NetSpec, reps: int, ms: tuple[int, ...],
   the process's life, and M changes the micro-batch's) and per thread
   count (1F1B's, the split schedules'): every configuration, timed,
   recorded, memory measured."""
-  groups = [SCHEDULES[:1], SCHEDULES[1:]]
+  from lingvo_pipe.pipeline import schedule as schedule_lib  # pylint: disable=C0415
+  groups = [tuple(s for s in SCHEDULES
+                  if schedule_lib.splits_backward(s) == split)
+            for split in (False, True)]
   out = {}
   for m in ms:
     for schedules in groups[::-1] if first_split else groups:
