@@ -66,6 +66,9 @@ def _parser() -> argparse.ArgumentParser:
       tempfile.gettempdir(), 'lingvo_pipe_training'), help='training: the '
                       'runs\' logdirs; a finished one is scored, not trained '
                       'again.')
+  parser.add_argument('--runs', default='', help='training: the runs to '
+                      'train and score, e.g. mt_k2,mt_one (default: all); '
+                      'the stored rows of the others stay.')
   parser.add_argument('--out_dir', default=os.path.join(_ROOT, 'docs'),
                       help='Where benchmarks.json/.md and the PNGs go.')
   return parser
@@ -110,7 +113,16 @@ def _run_all(args: argparse.Namespace, argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
   argv = list(sys.argv[1:] if argv is None else argv)
-  args = _parser().parse_args(argv)
+  parser = _parser()
+  args = parser.parse_args(argv)
+  if args.runs:
+    if args.command != 'training':
+      parser.error(f'--runs={args.runs}: only the training section has '
+                   'runs; drop the flag.')
+    try:
+      sections.training.selected(args.runs)
+    except ValueError as e:
+      parser.error(str(e))
   if args.command == 'all':
     return _run_all(args, argv)
   start, load = time.time(), os.getloadavg()[0]

@@ -123,3 +123,38 @@ def test_training_runs_readmes_commands_and_all_leaves_it_out():
     before, after = cmd.split('LOGDIR')
     assert re.search(re.escape(before) + r'\S+' + re.escape(after), readme), cmd
   assert sections.NOT_IN_ALL == ('training',)
+
+
+def test_training_runs_one_pair_and_keeps_the_others_rows():
+  """`--runs=mt_k2,mt_one` retrains one pair: the stored rows of the other
+  pair stay, with the CPU they trained on, and both targets are still
+  computed; a half pair or an unknown run is refused."""
+  row = lambda metric, value, steps: {  # pylint: disable=unnecessary-lambda-assignment
+      'model': 'm', 'num_stages': 2, 'metric': metric, 'steps': steps,
+      'train_minutes': 60.0, 'metrics': {metric: value, 'log_pplx': 1.0,
+                                         'perplexity': 2.0},
+      'evaluate': 'python -m lingvo_pipe.evaler',
+      'trained': {'command': 'c', 'started': 's', 'commit': 'abc'}}
+  stored = {'machine': {'cpu': 'Old CPU'},
+            'rows': {'mt_k2': row('bleu', 15.0, 10),
+                     'mt_one': row('bleu', 16.0, 11),
+                     'lm_tied': row('perplexity', 52.0, 12),
+                     'lm_untied': row('perplexity', 53.0, 13)},
+            'same_step': [
+                {'step': 5, 'metrics': {n: {'perplexity': 2.0, 'log_pplx': 1.0}
+                                        for n in ('lm_tied', 'lm_untied')}},
+                {'step': 4, 'metrics': {n: {'bleu': 9.0, 'log_pplx': 1.0}
+                                        for n in ('mt_k2', 'mt_one')}}]}
+  out = training._run('/nonexistent', '', tiny=False, runs=(),  # pylint: disable=protected-access
+                      kept=stored)
+  assert set(out['rows']) == {'mt_k2', 'mt_one', 'lm_tied', 'lm_untied'}
+  assert {r['cpu'] for r in out['rows'].values()} == {'Old CPU'}
+  assert [s['step'] for s in out['same_step']] == [4, 5]  # RUNS' order.
+  assert [t['met'] for t in out['targets']] == [False, True]
+  out['machine'] = {'cpu': 'New CPU'}
+  assert '| Old CPU |' in training.render(out)
+  assert [r.name for r in training.selected('mt_one,mt_k2')] == [
+      'mt_k2', 'mt_one']
+  for bad in ('mt_k2', 'lm_tied,mt', 'lm_untied'):
+    with pytest.raises(ValueError, match='--runs'):
+      training.selected(bad)

@@ -156,24 +156,57 @@ def _train_minutes(logdir: str) -> float:
   return (max(times) - min(times)) / 60 if times else 0.0
 
 
+def selected(runs: str) -> tuple[Run, ...]:
+  """RUNS named in `runs` (comma-separated; empty: all), in RUNS' order.
+
+  Raises ValueError naming an unknown run, or a pair given half.
+  """
+  names = [n for n in runs.split(',') if n] if runs else [
+      r.name for r in RUNS]
+  known = [r.name for r in RUNS]
+  for n in names:
+    if n not in known:
+      raise ValueError(f'--runs: no run {n!r}; the runs are '
+                       f'{",".join(known)}.')
+  for pair in _SAME_STEP:
+    if (pair[0] in names) != (pair[1] in names):
+      raise ValueError(f'--runs: {pair[0]} and {pair[1]} are compared with '
+                       f'each other, so they train on the same machine: '
+                       f'name both, e.g. --runs={",".join(pair)}.')
+  return tuple(r for r in RUNS if r.name in names)
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
+  runs = selected(getattr(args, 'runs', ''))
   if not args.tiny:
     os.makedirs(args.runs_dir, exist_ok=True)
-    return _run(args.runs_dir, '', tiny=False)
+    kept = {}
+    if len(runs) < len(RUNS):
+      kept = report.load(args.out_dir).get('training', {})
+    return _run(args.runs_dir, '', tiny=False, runs=runs, kept=kept)
   runs_dir = tempfile.mkdtemp(prefix='lp_training_tiny_')
   try:
     text = os.path.join(runs_dir, 'tiny_test.tsv')
     with open(text, 'w', encoding='utf-8') as f:
       f.write('\n'.join(_TINY_LINES) + '\n')
-    return _run(runs_dir, text, tiny=True)
+    return _run(runs_dir, text, tiny=True, runs=runs, kept={})
   finally:
     shutil.rmtree(runs_dir, ignore_errors=True)
 
 
-def _run(runs_dir: str, text: str, tiny: bool) -> dict[str, Any]:
-  """Trains and scores RUNS under `runs_dir`; `text`: the test lines."""
+def _run(runs_dir: str, text: str, tiny: bool, runs: tuple[Run, ...],
+         kept: dict[str, Any]) -> dict[str, Any]:
+  """Trains and scores `runs` under `runs_dir`; `text`: the test lines.
+
+  `kept`: the stored section, whose rows of the other runs stay (with the
+  CPU they trained on: the section's, for rows stored before rows had one).
+  """
   rows = {}
-  for r in RUNS:
+  for name, row in kept.get('rows', {}).items():
+    if name not in [r.name for r in runs]:
+      rows[name] = dict(row)
+      rows[name].setdefault('cpu', kept.get('machine', {}).get('cpu', '?'))
+  for r in runs:
     logdir = os.path.join(runs_dir, r.name)
     record = _train(r, logdir, tiny)
     score = _score(r, logdir, text)
@@ -181,11 +214,19 @@ def _run(runs_dir: str, text: str, tiny: bool) -> dict[str, Any]:
         'model': r.model, 'num_stages': r.num_stages, 'metric': r.metric,
         'trained': record, 'steps': score['step'],
         'train_minutes': _train_minutes(logdir),
-        'metrics': score['metrics'],
+        'metrics': score['metrics'], 'cpu': report.machine()['cpu'],
         'evaluate': _shown(_eval_command(r, logdir, ''))}
-  same_step = [_at_same_step(runs_dir, text, pair) for pair in _SAME_STEP]
+  names = [r.name for r in runs]
+  same_step = [_at_same_step(runs_dir, text, pair) for pair in _SAME_STEP
+               if pair[0] in names]
+  same_step += [s for s in kept.get('same_step', [])
+                if not set(s['metrics']) & set(names)]
+  same_step.sort(key=lambda s: [set(p) == set(s['metrics'])
+                                for p in _SAME_STEP].index(True))
   targets = []
   for name, ref, what, op, limit in _TARGETS:
+    if name not in rows or ref not in rows:
+      continue
     metric = rows[name]['metric']
     targets.append(report.target(
         what, rows[name]['metrics'][metric] - rows[ref]['metrics'][metric],
@@ -225,6 +266,7 @@ def render(s: dict[str, Any]) -> str:
                  f'{row["train_minutes"]:.1f}',
                  f'{m["bleu"]:.2f}' if 'bleu' in m else None,
                  f'{m["log_pplx"]:.4f}', f'{m["perplexity"]:.2f}',
+                 row.get('cpu', s['machine']['cpu']),
                  row['trained']['started'], row['trained']['commit']])
   lines = [
       f'Each run trains for {s["minutes"]} minutes (`--max_train_minutes`), '
@@ -232,7 +274,7 @@ def render(s: dict[str, Any]) -> str:
       'the held-out test books.', '',
       report.table(['model', 'runtime', 'steps', 'trained (min)',
                     'test BLEU', 'test log-pplx', 'test perplexity',
-                    'started', 'commit'], rows), '']
+                    'CPU', 'started', 'commit'], rows), '']
   for same in s['same_step']:
     lines.append(
         f'- At step {same["step"]}, the last checkpoint both kept: ' +
