@@ -90,8 +90,6 @@ def test_busy_together_and_handoffs_from_records():
           (0, 1, 'F', 3.0, 4.0), (1, 1, 'F', 1.0, 1.5)]
   assert stage_procs.busy_together(recs, 0, 1, 2) == pytest.approx(0.5 + 0.5)
   assert stage_procs.busy(recs, 0, 2) == pytest.approx(3.0)
-  # F(1, 0) starts 0.5 s after F(0, 0) ended and device 1 was free.
-  assert stage_procs.handoff_gaps(recs[:2], 2) == [pytest.approx(0.5)]
 
 
 def test_peer_without_torch_says_how_to_install_it():

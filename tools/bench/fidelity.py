@@ -52,6 +52,7 @@ from typing import Any
 from bench import common
 from bench import report
 from bench import stage_procs
+from lingvo_pipe.pipeline import schedule as schedule_lib
 from lingvo_pipe.pipeline import simulator
 from lingvo_pipe.pipeline import timeline
 
@@ -96,8 +97,9 @@ def _launch(net: common.NetSpec, m: int, reps: int, record: int
                   for kind in timeline.KINDS}
                  for k in range(len(per_step[0]))],
         'overlap': timeline.overlap_fraction(median_step),
-        'handoff_s': statistics.median(
-            stage_procs.handoff_gaps(median_step, c['K']) or [0.0])}
+        'handoff_s': statistics.median(timeline.gaps(
+            median_step, schedule_lib.make_schedule(
+                c['schedule'], c['K'], m)).handoff or [0.0])}
   return out
 
 

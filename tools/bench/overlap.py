@@ -23,6 +23,7 @@ from typing import Any
 from bench import common
 from bench import report
 from bench import stage_procs
+from lingvo_pipe.pipeline import schedule as schedule_lib
 from lingvo_pipe.pipeline import simulator
 from lingvo_pipe.pipeline import timeline
 
@@ -55,8 +56,9 @@ def _pairs(recs: list[Any], k: int, schedule: str) -> dict[str, Any]:
           'busy_s': [stage_procs.busy(recs, d, k) for d in range(k)],
           'op_ms': [{kind: 1e3 * c.time(kind) for kind in 'FRB'}
                     for c in costs],
-          'handoff_ms': 1e3 * statistics.median(
-              stage_procs.handoff_gaps(recs, k) or [0.0])}
+          'handoff_ms': 1e3 * statistics.median(timeline.gaps(
+              recs, schedule_lib.make_schedule(schedule, k, M)).handoff
+                                                or [0.0])}
 
 
 def _measure(cfg: dict[str, Any], k: int) -> dict[str, Any]:

@@ -220,35 +220,6 @@ def busy(recs: Sequence[Any], device: int, num_devices: int) -> float:
   return sum(r[4] - r[3] for r in recs if r[0] % num_devices == device)
 
 
-def handoff_gaps(recs: Sequence[Any], num_devices: int) -> list[float]:
-  """Seconds from "input ready and device free" to the op's start, for each
-  op whose input comes from another stage: F(s, m) after F(s−1, m); the
-  backward's first op (R, else B) of (s, m) after B(s+1, m). What a
-  transfer and its dispatch cost the pipeline, whatever the load."""
-  by = {(r[0], r[1], r[2]): r for r in recs}
-  last = max(r[0] for r in recs)
-  per_device: dict[int, list[Any]] = {}
-  for r in recs:
-    per_device.setdefault(r[0] % num_devices, []).append(r)
-  gaps = []
-  for r in recs:
-    s, m, kind = r[0], r[1], r[2]
-    if kind == 'F' and s > 0:
-      producer = by.get((s - 1, m, 'F'))
-    elif s < last and (kind == 'R' or (kind == 'B' and (s, m, 'R') not in
-                                       by)):
-      producer = by.get((s + 1, m, 'B'))
-    else:
-      continue
-    if producer is None:
-      continue
-    before = [o[4] for o in per_device[s % num_devices]
-              if o is not r and o[4] <= r[3] + 1e-4]
-    ready = max([producer[4]] + before)
-    gaps.append(max(0.0, r[3] - ready))
-  return gaps
-
-
 def free_port() -> int:
   """A port that was free on 127.0.0.1 just now."""
   import socket  # pylint: disable=g-import-not-at-top

@@ -24,6 +24,7 @@ from typing import Any
 
 from bench import common
 from bench import stage_procs
+from lingvo_pipe.pipeline import schedule as schedule_lib
 from lingvo_pipe.pipeline import simulator
 from lingvo_pipe.pipeline import timeline
 
@@ -81,6 +82,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     predicted = simulator.simulate(timeline.calibrated_costs(measured), M,
                                    RECOMPUTE, s, num_chunks=(
                                        CHUNKS if s == 'interleaved' else 1))
+    sched = schedule_lib.make_schedule(
+        s, K, M, RECOMPUTE, CHUNKS if s == 'interleaved' else 1)
+    gaps = timeline.gaps(measured, sched)
     devices = predicted.stage_devices or tuple(
         d % K for d in range(len(predicted.stages)))
     maps += [devices, devices]
@@ -90,6 +94,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 predicted.events)]
     rows.append({'schedule': s, 'span_s': stage_procs.span(measured),
                  'predicted_s': predicted.step_time,
+                 'predicted_gaps_s': timeline.predicted_with_gaps(
+                     measured, sched).step_time,
+                 'gap_ms': [1e3 * gaps.mean('dispatch'),
+                            1e3 * gaps.mean('handoff')],
                  'wall_s': stage_procs.median_step(result, s),
                  'bubble_predicted': predicted.bubble_fraction,
                  'in_flight': in_flight(measured),
@@ -132,7 +140,10 @@ def _targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def render(s: dict[str, Any]) -> str:
   from bench import report  # pylint: disable=g-import-not-at-top
-  table = [[r['schedule'], r['span_s'], r['predicted_s'], r['wall_s'],
+  table = [[r['schedule'], r['span_s'], r['predicted_s'],
+            r.get('predicted_gaps_s', '–'),
+            ' / '.join(f'{g:.2f}' for g in r['gap_ms']) if 'gap_ms' in r
+            else '–', r['wall_s'],
             f'{100 * r["bubble_predicted"]:.0f}%',
             f'{100 * r["overlap"]:.0f}%',
             ' / '.join(map(str, r['in_flight'])),
@@ -143,13 +154,17 @@ def render(s: dict[str, Any]) -> str:
       f'recompute={RECOMPUTE}; interleaved: v={CHUNKS} stages per process, '
       'zb_v: 2 in a V (hatched boxes: a process\'s second stage). Each '
       'schedule: the measured step (median '
-      'span of the recorded ones) above its prediction.',
+      'span of the recorded ones) above its prediction from its own '
+      'median op times; "with gaps" adds the step\'s mean dispatch gap to '
+      'every op and its mean hand-off gap to each transfer between '
+      'processes (`timeline.gaps`, `timeline.predicted_with_gaps`).',
       '',
       f'![GPipe, 1F1B, interleaved, ZB-H1 and ZB-V steps, measured and '
       f'predicted]'
       f'({s["png"]})',
       '',
       report.table(['schedule', 'measured span (s)', 'predicted (s)',
+                    'with gaps (s)', 'mean dispatch / hand-off gap (ms)',
                     'wall step (s)', 'predicted bubble',
                     'processes busy at once', 'most micro-batches held per '
                     'stage, measured', 'predicted'], table),

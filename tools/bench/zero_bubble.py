@@ -77,6 +77,7 @@ def _ours(net: common.NetSpec, reps: int, ms: tuple[int, ...],
 
 def _launch(net: common.NetSpec, reps: int, m: int,
             schedules: tuple[str, ...]) -> dict[str, dict[str, Any]]:
+  from lingvo_pipe.pipeline import schedule as schedule_lib  # pylint: disable=C0415
   from lingvo_pipe.pipeline import simulator  # pylint: disable=C0415
   from lingvo_pipe.pipeline import timeline  # pylint: disable=C0415
   configs = [{'name': _name(s, r, m), 'scope': 'run', 'K': K, 'M': m,
@@ -91,6 +92,9 @@ def _launch(net: common.NetSpec, reps: int, m: int,
         stage_procs.records(run, c['name'])))
     predicted = simulator.simulate(timeline.calibrated_costs(measured),
                                    c['M'], c['recompute'], c['schedule'])
+    with_gaps = timeline.predicted_with_gaps(
+        measured, schedule_lib.make_schedule(c['schedule'], K, c['M'],
+                                             c['recompute']))
     mem = []
     for task, result in enumerate(run.config(c['name'])):
       got = result['memory']
@@ -102,6 +106,7 @@ def _launch(net: common.NetSpec, reps: int, m: int,
         'step_s': stage_procs.median_step(run, c['name']),
         'span_s': stage_procs.span(measured),
         'predicted_s': predicted.step_time,
+        'predicted_gaps_s': with_gaps.step_time,
         'activation_mib': [a / MIB for a, _ in mem],
         'predicted_mib': [p / MIB for _, p in mem]}
   return out
@@ -149,8 +154,9 @@ def _targets(s: dict[str, Any]) -> list[dict[str, Any]]:
   for z in TARGET_STEP:
     row = rounds[-1][_name(z, 'never', m)]
     out.append(report.target(
-        f'{z}: |predicted ÷ measured span − 1|, M={m}, recompute never',
-        abs(row['predicted_s'] / row['span_s'] - 1), '<=',
+        f'{z}: |predicted ÷ measured span − 1|, M={m}, recompute never '
+        '(the step\'s op durations and gaps)',
+        abs(row['predicted_gaps_s'] / row['span_s'] - 1), '<=',
         TARGET_PREDICTION, ''))
   for z in TARGET_STEP:
     for mm in s['ms']:
@@ -187,6 +193,7 @@ def render(s: dict[str, Any]) -> str:
     rows.append([sched, recompute, m[2:], step,
                  step / s['step_s'][_name('1f1b', recompute, int(m[2:]))],
                  row['span_s'], row['predicted_s'],
+                 row.get('predicted_gaps_s', '–'),
                  ' / '.join(f'{a:.2f}' for a in row['activation_mib']),
                  ' / '.join(f'{p:.2f}' for p in row['predicted_mib']),
                  torch_s if torch_s is not None else '–'])
@@ -197,16 +204,25 @@ def render(s: dict[str, Any]) -> str:
       f'split backward). Wall step: median of {s["reps"]} alternating steps, '
       f'then over {len(s["rounds"])} round(s). Span and prediction: one recorded '
       'step; predicted by the simulator from that step\'s own median F, R, '
-      'B, I and W durations. Activations per process (stage 0 / 1): '
+      'B, I and W durations, and "with gaps" also from its mean dispatch '
+      'gap (added to every op) and mean hand-off gap (each transfer between '
+      'processes; `timeline.gaps`). Activations per process (stage 0 / 1): '
       'allocator peak − bytes before − one copy of the weights; predicted: '
       'the memory model with each layer\'s kept bytes. torch: '
       '`Schedule1F1B`, `ScheduleInterleavedZeroBubble` with one stage per '
       'rank (ZB1P, i.e. ZB-H1) and `ScheduleZBVZeroBubble` (two per rank '
       'in a V), no recompute, the same network, between our rounds.', '',
       report.table(['schedule', 'recompute', 'M', 'step (s)', '÷ 1F1B',
-                    'span (s)', 'predicted (s)', 'activations (MiB)',
+                    'span (s)', 'predicted (s)', 'with gaps (s)',
+                    'activations (MiB)',
                     'predicted (MiB)', 'torch step (s)'], rows), '']
   if s['torch'] is None:
     lines += [f'_{s["torch_missing"]}; the peer column is empty._', '']
   lines.append(report.target_lines(s['targets']))
+  m = _name('zb_v', 'never', MS[0]).split()[-1]
+  lines.append('- From op durations alone (no gaps), |predicted ÷ measured '
+               'span − 1| at ' + m + ', recompute never: ' + ', '.join(
+                   f'{z} {abs(last[n]["predicted_s"] / last[n]["span_s"] - 1):.3f}'
+                   for z in ('1f1b', *TARGET_STEP)
+                   for n in [_name(z, 'never', MS[0])]) + '.')
   return '\n'.join(lines)
