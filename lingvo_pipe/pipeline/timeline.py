@@ -12,9 +12,8 @@ module makes those pictures from two sources that share one record shape,
 * predicted: `simulator.simulate(...).events`, with stage costs calibrated
   from the measured op durations (`calibrated_costs`), so the two panels
   differ only where the real step departs from the schedule (transfers,
-  dispatch gaps, noise). `gaps` measures the dispatch and hand-off gaps of
-  a recorded step, and `predicted_with_gaps` replays the schedule with
-  them added back.
+  dispatch gaps, noise). `step_gaps` measures those gaps in a recorded
+  step and replays the schedule with them added back.
 
 Outputs: Chrome-trace JSON (chrome://tracing or ui.perfetto.dev; one
 process per panel, one thread per stage, events named 'F3', 'R3', 'B3') and
@@ -39,13 +38,12 @@ import tensorflow as tf
 
 from lingvo_pipe import errors
 from lingvo_pipe.core import fprop_context
-from lingvo_pipe.pipeline import actions
 from lingvo_pipe.pipeline import simulator
 
 __all__ = ['KINDS', 'Record', 'RecordBatch', 'StepRecorder', 'TimelineError',
            'from_stamps', 'stamps',
-           'Gaps', 'calibrated_costs', 'gaps', 'normalized',
-           'overlap_fraction', 'plot_gantt', 'predicted_with_gaps',
+           'calibrated_costs', 'normalized', 'overlap_fraction',
+           'plot_gantt',
            'record_step',
            'to_chrome_trace', 'write_chrome_trace']
 
@@ -210,7 +208,7 @@ def calibrated_costs(records: Iterable[Any],
                      dispatch_s: float = 0.0) -> list[simulator.StageCost]:
   """Per-stage StageCosts from the median measured F, R, B, I and W
   durations, each + `dispatch_s` (e.g. the step's mean dispatch gap,
-  `gaps`).
+  `step_gaps.gaps`).
 
   A stage without 'R' records gets recompute = forward (the simulator's
   default), which is only used if the simulated policy recomputes. A split
@@ -239,72 +237,6 @@ def calibrated_costs(records: Iterable[Any],
         input_grad=med['I'] if split else None,
         weight_grad=med['W'] if split else None))
   return costs
-
-
-class Gaps(NamedTuple):
-  """What a recorded step spent between its ops (`gaps`), in seconds."""
-  dispatch: list[float]  # Ops that waited last for their own device.
-  handoff: list[float]  # Ops that waited last for another device's value.
-
-  def mean(self, which: str) -> float:
-    values = getattr(self, which)
-    return statistics.mean(values) if values else 0.0
-
-
-def gaps(records: Iterable[Any], schedule: Any) -> Gaps:
-  """Each recorded op's delay from "could start" to its start.
-
-  An op could start once its device ended the op before it and what it
-  reads (as `schedule`, an `actions.Schedule`, declares) was made. An op
-  that waited last for a value made on another device gives a hand-off
-  gap (the transfer and its dispatch, from the value's making); any other
-  op a dispatch gap (the executor choosing and starting the next op). The simulator charges neither, so they are what a
-  prediction from op durations alone leaves out: `predicted_with_gaps` adds
-  them back. A device's first op, with nothing before it and nothing to
-  read, has no gap. Records the schedule does not name, or reads made by
-  an op that was not recorded, are left out.
-  """
-  recs = _checked(records)
-  compute = schedule.compute()
-  made = {(r.kind, r.micro_batch, r.stage): r for r in recs}
-  out = Gaps([], [])
-  for d in range(compute.num_devices):
-    mine = sorted((r for r in recs if r.stage in compute.stages_of(d)),
-                  key=lambda r: r.start)
-    free = None
-    for r in mine:
-      reads = [(pd, made[tuple(a)].end)
-               for pd, a in compute.dependencies(d, actions.Action(
-                   r.kind, r.micro_batch, r.stage))
-               if tuple(a) in made]
-      local = [end for pd, end in reads if pd == d]
-      local += [free] if free is not None else []
-      remote = max((end for pd, end in reads if pd != d), default=None)
-      if remote is not None and (not local or remote >= max(local)):
-        out.handoff.append(max(0.0, r.start - remote))
-      elif local:
-        out.dispatch.append(max(0.0, r.start - max(local)))
-      free = r.end if free is None else max(free, r.end)
-  return out
-
-
-def predicted_with_gaps(records: Iterable[Any],
-                        schedule: Any) -> simulator.SimResult:
-  """The simulator on `schedule` (an `actions.Schedule`) from the step's
-  own op durations, with its mean dispatch gap added to every op and its
-  mean hand-off gap as the time of each transfer between devices (`gaps`).
-
-  What then still differs from the measured span is waiting the schedule
-  does not explain: an op run out of order, a transfer stuck behind
-  compute.
-  """
-  recs = _checked(records)
-  g = gaps(recs, schedule)
-  handoff = g.mean('handoff')
-  return simulator.simulate(
-      calibrated_costs(recs, g.mean('dispatch')), schedule.num_micro_batches,
-      schedule.recompute, schedule,
-      transfer_time=lambda src, dst: 0.0 if src == dst else handoff)
 
 
 def overlap_fraction(records: Iterable[Any]) -> float:

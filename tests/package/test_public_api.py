@@ -53,6 +53,7 @@ API = {
                                            'validate'],
     'lingvo_pipe.pipeline.simulator': ['SimResult', 'StageCost', 'simulate',
                                        'stage_costs_from_layers'],
+    'lingvo_pipe.pipeline.step_gaps': ['Gaps', 'gaps', 'predicted_with_gaps'],
     'lingvo_pipe.pipeline.timeline': [
         'Record', 'StepRecorder', 'calibrated_costs', 'plot_gantt',
         'record_step', 'write_chrome_trace'],

@@ -7,7 +7,6 @@ import tensorflow as tf
 
 from lingvo_pipe.core import fprop_context
 from lingvo_pipe.core import gpipe
-from lingvo_pipe.pipeline import schedule as schedule_lib
 from lingvo_pipe.pipeline import simulator
 from lingvo_pipe.pipeline import timeline
 from lingvo_pipe.layers import linear
@@ -83,41 +82,6 @@ def test_calibrated_costs_are_medians():
   # The simulator replays the hand-made step exactly (no transfer gaps).
   sim = simulator.simulate(costs, 2, 'never')
   assert sim.step_time == pytest.approx(0.9)
-
-
-def test_gaps_split_dispatch_from_handoff_and_close_the_prediction():
-  """GPipe, K=2, M=1: F(1) starts 0.5 s after F(0) ends (a hand-off), B(1)
-  0.2 s after its own F (dispatch), B(0) 0.3 s after B(1) (a hand-off).
-  The prediction with those gaps replays the step: ops 1 + 0.2 s, each
-  transfer 0.4 s (the hand-offs' mean)."""
-  recs = [(0, 0, 'F', 0.0, 1.0), (1, 0, 'F', 1.5, 2.5),
-          (1, 0, 'B', 2.7, 3.7), (0, 0, 'B', 4.0, 5.0)]
-  sched = schedule_lib.make_schedule('gpipe', 2, 1, 'never')
-  gaps = timeline.gaps(recs, sched)
-  assert gaps.dispatch == [pytest.approx(0.2)]
-  assert sorted(gaps.handoff) == [pytest.approx(0.3), pytest.approx(0.5)]
-  assert timeline.predicted_with_gaps(recs, sched).step_time == (
-      pytest.approx(1.2 + 0.4 + 1.2 + 1.2 + 0.4 + 1.2))
-  # Without gaps the simulator's step is the ops alone.
-  assert simulator.simulate(timeline.calibrated_costs(recs), 1, 'never',
-                            sched).step_time == pytest.approx(4.0)
-
-
-def test_gaps_follow_the_v_placement():
-  """zb_v, K=2, M=1 puts stages 1 and 2 on process 1 and 0 and 3 on
-  process 0: F1, F3, I2 and I0 wait for the other process (hand-offs); F2,
-  I1 and I3 for their own (round-robin would make F2 and I1 hand-offs
-  too). A simulated step has no gaps, and its prediction with gaps is the
-  step itself."""
-  sched = schedule_lib.make_schedule('zb_v', 2, 1, 'never')
-  sim = simulator.simulate([simulator.StageCost(forward=1.0, backward=2.0)] *
-                           4, 1, 'never', sched)
-  recs = [tuple(e) for e in sim.events]
-  gaps = timeline.gaps(recs, sched)
-  assert len(gaps.handoff) == 4
-  assert max(gaps.handoff + gaps.dispatch) == pytest.approx(0.0)
-  assert timeline.predicted_with_gaps(recs, sched).step_time == (
-      pytest.approx(sim.step_time))
 
 
 def test_records_of_a_real_step_on_logical_devices():

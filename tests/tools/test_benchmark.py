@@ -10,6 +10,7 @@ import json
 import os
 import re
 import shutil
+from typing import Any
 
 import pytest
 
@@ -123,36 +124,57 @@ def test_training_runs_readmes_commands_and_all_leaves_it_out():
   assert sections.NOT_IN_ALL == ('training',)
 
 
-def test_training_runs_one_pair_and_keeps_the_others_rows():
-  """`--runs=mt_k2,mt_one` retrains one pair: the stored rows of the other
-  pair stay, with the CPU they trained on, and both targets are still
-  computed; a half pair or an unknown run is refused."""
-  row = lambda metric, value, steps: {  # pylint: disable=unnecessary-lambda-assignment
-      'model': 'm', 'num_stages': 2, 'metric': metric, 'steps': steps,
-      'train_minutes': 60.0, 'metrics': {metric: value, 'log_pplx': 1.0,
-                                         'perplexity': 2.0},
-      'evaluate': 'python -m lingvo_pipe.evaler',
-      'trained': {'command': 'c', 'started': 's', 'commit': 'abc'}}
+def _training_row(metric: str, value: float) -> dict[str, Any]:
+  return {'model': 'm', 'num_stages': 2, 'metric': metric, 'steps': 10,
+          'train_minutes': 60.0,
+          'metrics': {'log_pplx': 1.0, 'perplexity': 2.0, metric: value},
+          'evaluate': 'python -m lingvo_pipe.evaler',
+          'trained': {'command': 'c', 'started': 's', 'commit': 'abc'}}
+
+
+def test_training_runs_one_pair_and_keeps_the_others_rows(monkeypatch):
+  """`--runs=mt_k2,mt_one` retrains one pair: its rows are new (with the
+  CPU its record names), the other pair's stored rows and same-step scores
+  stay (with the section's CPU), the retrained pair's old same-step scores
+  go (it kept no common checkpoint this time), and both targets are
+  computed."""
   stored = {'machine': {'cpu': 'Old CPU'},
-            'rows': {'mt_k2': row('bleu', 15.0, 10),
-                     'mt_one': row('bleu', 16.0, 11),
-                     'lm_tied': row('perplexity', 52.0, 12),
-                     'lm_untied': row('perplexity', 53.0, 13)},
+            'rows': {'mt_k2': _training_row('bleu', 15.0),
+                     'mt_one': _training_row('bleu', 16.0),
+                     'lm_tied': _training_row('perplexity', 52.0),
+                     'lm_untied': _training_row('perplexity', 53.0)},
             'same_step': [
                 {'step': 5, 'metrics': {n: {'perplexity': 2.0, 'log_pplx': 1.0}
                                         for n in ('lm_tied', 'lm_untied')}},
                 {'step': 4, 'metrics': {n: {'bleu': 9.0, 'log_pplx': 1.0}
                                         for n in ('mt_k2', 'mt_one')}}]}
-  out = training._run('/nonexistent', '', tiny=False, runs=(),  # pylint: disable=protected-access
-                      kept=stored)
-  assert set(out['rows']) == {'mt_k2', 'mt_one', 'lm_tied', 'lm_untied'}
-  assert {r['cpu'] for r in out['rows'].values()} == {'Old CPU'}
-  assert [s['step'] for s in out['same_step']] == [4, 5]  # RUNS' order.
-  assert [t['met'] for t in out['targets']] == [False, True]
+  bleu = {'mt_k2': 17.0, 'mt_one': 17.2}
+  monkeypatch.setattr(training, '_train', lambda run, logdir, tiny: {
+      'command': run.name, 'started': 's', 'commit': 'new', 'cpu': 'New CPU'})
+  monkeypatch.setattr(training, '_score', lambda run, logdir, text: {
+      'step': 1000, 'metrics': {'bleu': bleu[run.name], 'log_pplx': 3.0,
+                                'perplexity': 20.0}})
+  monkeypatch.setattr(training, '_train_minutes', lambda logdir: 60.0)
+  monkeypatch.setattr(training, '_at_same_step', lambda *args: None)
+  out = training._run('/nonexistent', '', tiny=False,  # pylint: disable=protected-access
+                      runs=training.selected('mt_k2,mt_one'), kept=stored)
+  assert {n: r['cpu'] for n, r in out['rows'].items()} == {
+      'mt_k2': 'New CPU', 'mt_one': 'New CPU', 'lm_tied': 'Old CPU',
+      'lm_untied': 'Old CPU'}
+  assert out['rows']['mt_k2']['metrics']['bleu'] == 17.0
+  assert out['rows']['lm_tied']['metrics']['perplexity'] == 52.0
+  assert [s['step'] for s in out['same_step']] == [5]
+  assert [(t['value'], t['met']) for t in out['targets']] == [
+      (pytest.approx(-0.2), True), (pytest.approx(-1.0), True)]
   out['machine'] = {'cpu': 'New CPU'}
-  assert '| Old CPU |' in training.render(out)
+  text = training.render(out)
+  assert '| Old CPU |' in text and '| New CPU |' in text
+
+
+def test_training_refuses_a_half_pair_an_unknown_run_or_none():
   assert [r.name for r in training.selected('mt_one,mt_k2')] == [
       'mt_k2', 'mt_one']
-  for bad in ('mt_k2', 'lm_tied,mt', 'lm_untied'):
+  assert len(training.selected('')) == len(training.RUNS)
+  for bad in ('mt_k2', 'lm_tied,mt', 'lm_untied', ','):
     with pytest.raises(ValueError, match='--runs'):
       training.selected(bad)

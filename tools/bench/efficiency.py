@@ -35,7 +35,7 @@ from bench import report
 from bench import stage_procs
 from lingvo_pipe.pipeline import schedule as schedule_lib
 from lingvo_pipe.pipeline import simulator
-from lingvo_pipe.pipeline import timeline
+from lingvo_pipe.pipeline import step_gaps
 
 M = 8
 TARGET_EFFICIENCY = 0.90
@@ -91,8 +91,8 @@ def _round(net: common.NetSpec, reps: int, index: int) -> dict[str, Any]:
       'k2_busy_s': [stage_procs.busy(k2, d, 2) for d in range(2)],
       'k1_busy_s': stage_procs.busy(k1, 0, 1),
       'k2_ops': len(k2), 'k1_ops': len(k1),
-      'handoff_ms': 1e3 * statistics.median(timeline.gaps(
-          k2, schedule_lib.make_schedule('gpipe', 2, M)).handoff or [0.0]),
+      'handoff_ms': 1e3 * statistics.median(step_gaps.gaps(
+          k2, schedule_lib.make_schedule('gpipe', 2, M)).crossing or [0.0]),
       'seconds': run.seconds}
 
 

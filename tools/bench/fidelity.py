@@ -54,6 +54,7 @@ from bench import report
 from bench import stage_procs
 from lingvo_pipe.pipeline import schedule as schedule_lib
 from lingvo_pipe.pipeline import simulator
+from lingvo_pipe.pipeline import step_gaps
 from lingvo_pipe.pipeline import timeline
 
 TARGET_ERROR = 0.15
@@ -97,9 +98,9 @@ def _launch(net: common.NetSpec, m: int, reps: int, record: int
                   for kind in timeline.KINDS}
                  for k in range(len(per_step[0]))],
         'overlap': timeline.overlap_fraction(median_step),
-        'handoff_s': statistics.median(timeline.gaps(
+        'handoff_s': statistics.median(step_gaps.gaps(
             median_step, schedule_lib.make_schedule(
-                c['schedule'], c['K'], m)).handoff or [0.0])}
+                c['schedule'], c['K'], m)).crossing or [0.0])}
   return out
 
 

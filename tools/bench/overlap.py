@@ -25,6 +25,7 @@ from bench import report
 from bench import stage_procs
 from lingvo_pipe.pipeline import schedule as schedule_lib
 from lingvo_pipe.pipeline import simulator
+from lingvo_pipe.pipeline import step_gaps
 from lingvo_pipe.pipeline import timeline
 
 TARGET = 0.50
@@ -56,8 +57,8 @@ def _pairs(recs: list[Any], k: int, schedule: str) -> dict[str, Any]:
           'busy_s': [stage_procs.busy(recs, d, k) for d in range(k)],
           'op_ms': [{kind: 1e3 * c.time(kind) for kind in 'FRB'}
                     for c in costs],
-          'handoff_ms': 1e3 * statistics.median(timeline.gaps(
-              recs, schedule_lib.make_schedule(schedule, k, M)).handoff
+          'handoff_ms': 1e3 * statistics.median(step_gaps.gaps(
+              recs, schedule_lib.make_schedule(schedule, k, M)).crossing
                                                 or [0.0])}
 
 

@@ -26,6 +26,7 @@ from bench import common
 from bench import stage_procs
 from lingvo_pipe.pipeline import schedule as schedule_lib
 from lingvo_pipe.pipeline import simulator
+from lingvo_pipe.pipeline import step_gaps
 from lingvo_pipe.pipeline import timeline
 
 K, M, CHUNKS = 2, 8, 2
@@ -79,12 +80,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     result = runs[s]
     measured = timeline.normalized(stage_procs.median_by_span(
         stage_procs.records(result, s)))
-    predicted = simulator.simulate(timeline.calibrated_costs(measured), M,
-                                   RECOMPUTE, s, num_chunks=(
-                                       CHUNKS if s == 'interleaved' else 1))
     sched = schedule_lib.make_schedule(
         s, K, M, RECOMPUTE, CHUNKS if s == 'interleaved' else 1)
-    gaps = timeline.gaps(measured, sched)
+    predicted = simulator.simulate(timeline.calibrated_costs(measured), M,
+                                   RECOMPUTE, sched)
+    gaps = step_gaps.gaps(measured, sched)
     devices = predicted.stage_devices or tuple(
         d % K for d in range(len(predicted.stages)))
     maps += [devices, devices]
@@ -94,10 +94,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 predicted.events)]
     rows.append({'schedule': s, 'span_s': stage_procs.span(measured),
                  'predicted_s': predicted.step_time,
-                 'predicted_gaps_s': timeline.predicted_with_gaps(
+                 'predicted_gaps_s': step_gaps.predicted_with_gaps(
                      measured, sched).step_time,
-                 'gap_ms': [1e3 * gaps.mean('dispatch'),
-                            1e3 * gaps.mean('handoff')],
+                 'gap_ms': [1e3 * gaps.mean_dispatch, 1e3 * gaps.mean_handoff],
                  'wall_s': stage_procs.median_step(result, s),
                  'bubble_predicted': predicted.bubble_fraction,
                  'in_flight': in_flight(measured),
@@ -156,8 +155,8 @@ def render(s: dict[str, Any]) -> str:
       'schedule: the measured step (median '
       'span of the recorded ones) above its prediction from its own '
       'median op times; "with gaps" adds the step\'s mean dispatch gap to '
-      'every op and its mean hand-off gap to each transfer between '
-      'processes (`timeline.gaps`, `timeline.predicted_with_gaps`).',
+      'every op and its mean hand-off gap (less that dispatch) to each '
+      'transfer between processes (`step_gaps.predicted_with_gaps`).',
       '',
       f'![GPipe, 1F1B, interleaved, ZB-H1 and ZB-V steps, measured and '
       f'predicted]'

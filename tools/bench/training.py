@@ -123,7 +123,8 @@ def _train(run: Run, logdir: str, tiny: bool) -> dict[str, Any]:
   started = time.strftime('%Y-%m-%d %H:%M')
   _python(cmd)
   record = {'command': _shown(cmd), 'started': started,
-            'commit': _commit(), 'ended': time.strftime('%Y-%m-%d %H:%M')}
+            'commit': _commit(), 'ended': time.strftime('%Y-%m-%d %H:%M'),
+            'cpu': report.machine()['cpu']}
   checkpoints.write_file_atomically(record_path, json.dumps(record, indent=1))
   return record
 
@@ -159,11 +160,14 @@ def _train_minutes(logdir: str) -> float:
 def selected(runs: str) -> tuple[Run, ...]:
   """RUNS named in `runs` (comma-separated; empty: all), in RUNS' order.
 
-  Raises ValueError naming an unknown run, or a pair given half.
+  Raises ValueError naming an unknown run, a pair given half, or none.
   """
   names = [n for n in runs.split(',') if n] if runs else [
       r.name for r in RUNS]
   known = [r.name for r in RUNS]
+  if not names:
+    raise ValueError(f'--runs={runs!r} names no run; the runs are '
+                     f'{",".join(known)}.')
   for n in names:
     if n not in known:
       raise ValueError(f'--runs: no run {n!r}; the runs are '
@@ -214,15 +218,17 @@ def _run(runs_dir: str, text: str, tiny: bool, runs: tuple[Run, ...],
         'model': r.model, 'num_stages': r.num_stages, 'metric': r.metric,
         'trained': record, 'steps': score['step'],
         'train_minutes': _train_minutes(logdir),
-        'metrics': score['metrics'], 'cpu': report.machine()['cpu'],
+        'metrics': score['metrics'],
+        'cpu': record.get('cpu', report.machine()['cpu']),
         'evaluate': _shown(_eval_command(r, logdir, ''))}
   names = [r.name for r in runs]
   same_step = [_at_same_step(runs_dir, text, pair) for pair in _SAME_STEP
                if pair[0] in names]
-  same_step += [s for s in kept.get('same_step', [])
-                if not set(s['metrics']) & set(names)]
-  same_step.sort(key=lambda s: [set(p) == set(s['metrics'])
-                                for p in _SAME_STEP].index(True))
+  same_step = [s for s in same_step if s] + [
+      s for s in kept.get('same_step', [])
+      if not set(s['metrics']) & set(names)]
+  order = {frozenset(pair): i for i, pair in enumerate(_SAME_STEP)}
+  same_step.sort(key=lambda s: order.get(frozenset(s['metrics']), len(order)))
   targets = []
   for name, ref, what, op, limit in _TARGETS:
     if name not in rows or ref not in rows:
@@ -231,7 +237,7 @@ def _run(runs_dir: str, text: str, tiny: bool, runs: tuple[Run, ...],
     targets.append(report.target(
         what, rows[name]['metrics'][metric] - rows[ref]['metrics'][metric],
         op, limit, unit=''))
-  return {'rows': rows, 'same_step': [x for x in same_step if x],
+  return {'rows': rows, 'same_step': same_step,
           'targets': targets,
           'minutes': MINUTES, 'runs_dir': runs_dir}
 

@@ -79,6 +79,7 @@ def _launch(net: common.NetSpec, reps: int, m: int,
             schedules: tuple[str, ...]) -> dict[str, dict[str, Any]]:
   from lingvo_pipe.pipeline import schedule as schedule_lib  # pylint: disable=C0415
   from lingvo_pipe.pipeline import simulator  # pylint: disable=C0415
+  from lingvo_pipe.pipeline import step_gaps  # pylint: disable=C0415
   from lingvo_pipe.pipeline import timeline  # pylint: disable=C0415
   configs = [{'name': _name(s, r, m), 'scope': 'run', 'K': K, 'M': m,
               'schedule': s, 'recompute': r,
@@ -92,7 +93,7 @@ def _launch(net: common.NetSpec, reps: int, m: int,
         stage_procs.records(run, c['name'])))
     predicted = simulator.simulate(timeline.calibrated_costs(measured),
                                    c['M'], c['recompute'], c['schedule'])
-    with_gaps = timeline.predicted_with_gaps(
+    with_gaps = step_gaps.predicted_with_gaps(
         measured, schedule_lib.make_schedule(c['schedule'], K, c['M'],
                                              c['recompute']))
     mem = []
@@ -205,9 +206,8 @@ def render(s: dict[str, Any]) -> str:
       f'then over {len(s["rounds"])} round(s). Span and prediction: one recorded '
       'step; predicted by the simulator from that step\'s own median F, R, '
       'B, I and W durations, and "with gaps" also from its mean dispatch '
-      'gap (added to every op) and mean hand-off gap (each transfer between '
-      'processes; `timeline.gaps`). Activations per process (stage 0 / 1): '
-      'allocator peak − bytes before − one copy of the weights; predicted: '
+      'and hand-off gaps (`step_gaps.predicted_with_gaps`). Activations '
+      'per process (stage 0 / 1): allocator peak − bytes before − one copy of the weights; predicted: '
       'the memory model with each layer\'s kept bytes. torch: '
       '`Schedule1F1B`, `ScheduleInterleavedZeroBubble` with one stage per '
       'rank (ZB1P, i.e. ZB-H1) and `ScheduleZBVZeroBubble` (two per rank '
@@ -219,10 +219,10 @@ def render(s: dict[str, Any]) -> str:
   if s['torch'] is None:
     lines += [f'_{s["torch_missing"]}; the peer column is empty._', '']
   lines.append(report.target_lines(s['targets']))
-  m = _name('zb_v', 'never', MS[0]).split()[-1]
-  lines.append('- From op durations alone (no gaps), |predicted ÷ measured '
-               'span − 1| at ' + m + ', recompute never: ' + ', '.join(
-                   f'{z} {abs(last[n]["predicted_s"] / last[n]["span_s"] - 1):.3f}'
-                   for z in ('1f1b', *TARGET_STEP)
-                   for n in [_name(z, 'never', MS[0])]) + '.')
+  alone = [last[_name(z, 'never', MS[0])] for z in ('1f1b', *TARGET_STEP)]
+  lines.append(
+      '- From op durations alone (no gaps), |predicted ÷ measured span − 1| '
+      f'at M={MS[0]}, recompute never: ' + ', '.join(
+          f'{z} {abs(r["predicted_s"] / r["span_s"] - 1):.3f}'
+          for z, r in zip(('1f1b', *TARGET_STEP), alone)) + '.')
   return '\n'.join(lines)
