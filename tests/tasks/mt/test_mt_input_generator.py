@@ -2,6 +2,7 @@
 
 import numpy as np
 import pytest
+import tensorflow as tf
 
 from lingvo_pipe.core import base_input_generator
 from lingvo_pipe.tasks.mt import input_generator
@@ -155,3 +156,16 @@ def test_train_batch_specs_are_the_shapes_the_buckets_make(mt_data, mt_vocab):
   made = {tuple(v.shape) for _, batch in zip(range(8), dataset)
           for v in batch.values()}
   assert made == declared
+
+
+def test_trainer_knows_each_steps_batch_shapes(mt_data, mt_vocab):
+  """What --timeline_steps warms a chosen step's function up with."""
+  from lingvo_pipe import trainer  # pylint: disable=g-import-not-at-top
+  gen, _ = _bucket_gen(mt_data, mt_vocab)
+  shapes = trainer._batch_shapes(gen)  # pylint: disable=protected-access
+  batches = [b for _, b in zip(range(6), gen.TrainDataset(0))]
+  for step, batch in enumerate(batches, 1):
+    assert shapes(step) == tuple(tuple(v.shape)
+                                 for v in tf.nest.flatten(batch))
+  assert len({shapes(s) for s in range(1, 7)}) == 2
+  assert trainer._batch_shapes(_gen(mt_data, 'train')) is None  # pylint: disable=protected-access
