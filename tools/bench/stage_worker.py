@@ -177,9 +177,13 @@ class _Config:
           update=lambda v, g: _sgd(tf, v, g))
 
   def first_call(self, tf: Any) -> None:
-    """Times tracing + the first step; counts the traced step's ops (its
-    graph and every function it holds: loop bodies, stage bodies)."""
+    """Times tracing + the first step, and the tracing alone (Python
+    building the graph: the call's part before graph optimisation and the
+    run); counts the traced step's ops (its graph and every function it
+    holds: loop bodies, stage bodies)."""
     start = time.perf_counter()
+    self.step.get_concrete_function()
+    self.result['trace_s'] = time.perf_counter() - start
     self.step().numpy()
     self.result['first_call_s'] = time.perf_counter() - start
     graph = self.step.get_concrete_function().graph.as_graph_def()

@@ -16,7 +16,9 @@ on 1/8 the rows each. What that costs the kernels alone is measured in the
 same round: one stage's layers as a hand-written tape step over M slices
 of the batch (no pipeline, no recompute) in one process on one core. The
 section prints it beside the first call less the step (tracing, graph
-optimisation and the first run's set-up), so a miss says which grew.
+optimisation and the first run's set-up) and the tracing alone
+(`get_concrete_function`, timed before the call), so a miss says which
+grew.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ def _measure(net: common.NetSpec, schedule: str, m: int) -> dict[str, Any]:
                             'record': 0}, 2)
   tasks = run.config('step')
   return {'first_call_s': max(t['first_call_s'] for t in tasks),
+          'trace_s': max(t['trace_s'] for t in tasks),
           'graph_ops': max(t['graph_ops'] for t in tasks),
           'step_s': max(t['times_s'][0] for t in tasks)}
 
@@ -106,9 +109,13 @@ def _growth(s: dict[str, Any]) -> list[str]:
     step = ratio(lambda r, m: r[f'{sched} {m}']['step_s'])
     rest = ratio(lambda r, m: r[f'{sched} {m}']['first_call_s']
                  - r[f'{sched} {m}']['step_s'])
-    lines.append(f'- {sched}: step at M={large} ÷ M={small}: {step:.2f}×; '
-                 f'first call less one step (tracing, graph optimisation, '
-                 f'first run\'s set-up): {rest:.2f}×')
+    line = (f'- {sched}: step at M={large} ÷ M={small}: {step:.2f}×; '
+            f'first call less one step (tracing, graph optimisation, '
+            f'first run\'s set-up): {rest:.2f}×')
+    if 'trace_s' in s['rounds'][0][f'{sched} M={small}']:
+      trace = ratio(lambda r, m: r[f'{sched} {m}']['trace_s'])
+      line += f'; the tracing alone: {trace:.2f}×'
+    lines.append(line)
   return lines
 
 
