@@ -45,10 +45,8 @@ if __name__ == '__main__':  # Before anything imports TensorFlow.
 
 from lingvo_pipe import _cli
 
-import functools
 import os
 import time
-from typing import Callable
 
 from absl import flags
 from absl import logging
@@ -267,7 +265,7 @@ class Trainer:
     progress = progress_lib.Progress(train.max_steps, batch_size)
     rate = progress_lib.Rate(batch_size)
     if self._timeline is not None:
-      self._timeline.plan_warm_ups(start + 1, _batch_shapes(generator))
+      self._timeline.plan_warm_ups(start + 1, base_input_generator.train_batch_shapes(generator))
     watchdog.expect_step(first=True)  # A stuck step ends a cluster task.
     for batch in base_input_generator.without_autotune_thread(
         generator.TrainDataset(start)):
@@ -480,25 +478,6 @@ def _train(params: Params, logdir: str) -> None:
   _signals.stop_after_step(trainer)
   trainer.train(generator, writer, _MAX_MINUTES.value)
   writer.close()
-
-
-def _batch_shapes(generator: base_input_generator.BaseInputGenerator
-                  ) -> Callable[[int], tuple[tuple[int, ...], ...]] | None:
-  """Step (counted from 1) → its training batch's shapes; None if every
-  step's are the same. The batches are a function of the step, so this
-  builds the dataset from that step and reads its first batch."""
-  specs = generator.TrainBatchSpecs(generator.TrainDataset(0).element_spec)
-  if len(specs) == 1 and all(
-      s.shape.is_fully_defined() for s in tf.nest.flatten(specs[0][1])):
-    return None
-
-  @functools.lru_cache(maxsize=None)
-  def shapes(step: int) -> tuple[tuple[int, ...], ...]:
-    batch = next(iter(base_input_generator.without_autotune_thread(
-        generator.TrainDataset(step - 1))))
-    return tuple(tuple(x.shape) for x in tf.nest.flatten(batch))
-
-  return shapes
 
 
 def _timeline_steps() -> tuple[int, ...]:

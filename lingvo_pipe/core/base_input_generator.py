@@ -25,7 +25,8 @@ is needed: the evaler weights every metric by its example count.
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+from typing import Any, Callable
 
 import numpy as np
 import tensorflow as tf
@@ -249,6 +250,25 @@ def without_autotune_thread(dataset: tf.data.Dataset) -> tf.data.Dataset:
   options = tf.data.Options()
   options.autotune.enabled = False
   return dataset.with_options(options)
+
+
+def train_batch_shapes(generator: BaseInputGenerator
+                       ) -> Callable[[int], tuple[tuple[int, ...], ...]] | None:
+  """Step (counted from 1) → its training batch's shapes; None if every
+  step's are the same. The batches are a function of the step, so this
+  builds the dataset from that step and reads its first batch."""
+  specs = generator.TrainBatchSpecs(generator.TrainDataset(0).element_spec)
+  if len(specs) == 1 and all(
+      s.shape.is_fully_defined() for s in tf.nest.flatten(specs[0][1])):
+    return None
+
+  @functools.lru_cache(maxsize=None)
+  def shapes(step: int) -> tuple[tuple[int, ...], ...]:
+    batch = next(iter(without_autotune_thread(
+        generator.TrainDataset(step - 1))))
+    return tuple(tuple(x.shape) for x in tf.nest.flatten(batch))
+
+  return shapes
 
 
 def train_indices(step: tf.Tensor, batch_size: int, num_examples: int,

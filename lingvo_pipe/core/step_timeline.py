@@ -141,7 +141,7 @@ class TimelineSteps:
     self._train_step = train_step
     self._keys: list[Any] = []
     self._fn = tf.function(self._recorded_step, autograph=False)
-    self._warm = {s - 1 for s in self._steps}
+    self._warm = warm_up_steps(self._steps, 1, None)
 
   def plan_warm_ups(self, first: int,
                     signature: Callable[[int], Any] | None) -> None:

@@ -160,12 +160,12 @@ def test_train_batch_specs_are_the_shapes_the_buckets_make(mt_data, mt_vocab):
 
 def test_trainer_knows_each_steps_batch_shapes(mt_data, mt_vocab):
   """What --timeline_steps warms a chosen step's function up with."""
-  from lingvo_pipe import trainer  # pylint: disable=g-import-not-at-top
   gen, _ = _bucket_gen(mt_data, mt_vocab)
-  shapes = trainer._batch_shapes(gen)  # pylint: disable=protected-access
+  shapes = base_input_generator.train_batch_shapes(gen)
   batches = [b for _, b in zip(range(6), gen.TrainDataset(0))]
   for step, batch in enumerate(batches, 1):
     assert shapes(step) == tuple(tuple(v.shape)
                                  for v in tf.nest.flatten(batch))
   assert len({shapes(s) for s in range(1, 7)}) == 2
-  assert trainer._batch_shapes(_gen(mt_data, 'train')) is None  # pylint: disable=protected-access
+  assert base_input_generator.train_batch_shapes(
+      _gen(mt_data, 'train')) is None
