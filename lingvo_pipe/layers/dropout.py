@@ -10,13 +10,22 @@ than the loss. So the mask here is a *pure function* of
   * the training step `ctx.step`, and
   * the example's global index in the mini-batch.
 
-`apply_dropout` draws one stateless uniform mask for the whole global batch
+`apply_dropout`'s mask is, by definition, the rows of this call's examples
+(from `ctx.first_example` on, along `ctx.batch_axis`: 1 for time-major
+inputs) of one stateless uniform draw for the whole global batch
 (`ctx.global_batch_size` examples, every micro-batch of every data-parallel
-replica) and slices out the rows of this call's examples, from
-`ctx.first_example` on, along `ctx.batch_axis` (1 for time-major inputs).
-An example therefore gets the same mask however the batch is cut into
-micro-batches or replicas and however many stages there are, and the
+replica). An example therefore gets the same mask however the batch is cut
+into micro-batches or replicas and however many stages there are, and the
 recompute pass reproduces the forward mask exactly.
+
+Only those rows are drawn. TF's stateless draws are Philox, a counter-based
+generator: element e of a draw comes from counter + e // 4. So the rows of
+examples start … start + n are a draw of n rows from the counter advanced
+by start × (elements per row) // 4, less the first (start × row) % 4
+elements — bit for bit the slice of the global draw
+(tests/layers/test_dropout.py), at 1/(M·R) of its cost. Drawing the global
+batch and slicing it made every micro-batch pay for all M·R: with M=8 the
+translation model's forward passes took 2–3× its layers' own time.
 
 Cost convention (FPropMeta): 1 flop per element (compare and scale).
 """
@@ -117,16 +126,53 @@ def example_noise(x: tf.Tensor, seed_key: str, sampler: Sampler,
   # [B_global, ...]: one noise row per example of the global batch, batch
   # first (whatever the layout); then this call's rows, moved back to the
   # batch axis.
-  total = (noise_shape[axis] if ctx.global_batch_size is None else
-           ctx.global_batch_size)
   rest = noise_shape[:axis] + noise_shape[axis + 1:]
-  noise = sampler([total] + rest, seed)
-  start = tf.cast(ctx.first_example, tf.int32)
-  noise = noise[start:start + noise_shape[axis]]
+  num_rows = noise_shape[axis]
+  draw = _COUNTER_BASED.get(sampler)
+  if draw is None:  # Another sampler: draw every row, keep this call's.
+    total = (num_rows if ctx.global_batch_size is None else
+             ctx.global_batch_size)
+    start = tf.cast(ctx.first_example, tf.int32)
+    noise = sampler([total] + rest, seed)[start:start + num_rows]
+  else:
+    noise = _rows(draw, seed, ctx.first_example, num_rows, rest)
   if axis:
     perm = list(range(1, axis + 1)) + [0] + list(range(axis + 1, len(shape)))
     noise = tf.transpose(noise, perm)
   return noise
+
+
+# Samplers whose draws are Philox streams (the module doc), and their raw
+# ops: the draw is `rnd * (max - min) + min` or `rnd * stddev + mean` with
+# the defaults 1 and 0, so the raw op's values are the sampler's exactly.
+_COUNTER_BASED: dict[Any, Callable[..., tf.Tensor]] = {
+    tf.random.stateless_uniform: tf.raw_ops.StatelessRandomUniformV2,
+    tf.random.stateless_normal: tf.raw_ops.StatelessRandomNormalV2,
+}
+
+
+def _rows(draw: Callable[..., tf.Tensor], seed: tf.Tensor, first: Any,
+          num_rows: Any, rest: list[Any]) -> tf.Tensor:
+  """Rows first … first + num_rows of `draw`'s [*, *rest] draw from `seed`,
+  drawing only those (the module doc says why this is exact)."""
+  key, counter, alg = tf.raw_ops.StatelessRandomGetKeyCounterAlg(seed=seed)
+  row = tf.constant(1, tf.int64)
+  for d in rest:
+    row *= tf.cast(d, tf.int64)
+  offset = tf.cast(first, tf.int64) * row  # Of this call's first element.
+  counter = _advance(counter, offset // 4)
+  skip = offset % 4
+  size = skip + tf.cast(num_rows, tf.int64) * row
+  flat = draw(shape=tf.reshape(size, [1]), key=key, counter=counter, alg=alg,
+              dtype=tf.float32)
+  return tf.reshape(flat[skip:], [num_rows] + rest)
+
+
+def _advance(counter: tf.Tensor, groups: tf.Tensor) -> tf.Tensor:
+  """A Philox counter ([2] uint64: low, high word of 128 bits) + groups."""
+  low = counter[0] + tf.bitcast(tf.cast(groups, tf.int64), tf.uint64)
+  carry = tf.cast(low < counter[0], tf.uint64)
+  return tf.stack([low, counter[1] + carry])
 
 
 def _shared_over_batch(batch: Any, noise_batch: Any) -> bool:

@@ -141,3 +141,69 @@ def test_unknown_batch_size_under_tf_function():
                            global_batch_size=8):
     got = fn(x).numpy()
   np.testing.assert_array_equal(got, _drop(x, mb=1, m=2))
+
+
+_SAMPLERS = [tf.random.stateless_uniform, tf.random.stateless_normal]
+
+
+@pytest.mark.parametrize('sampler', _SAMPLERS)
+@pytest.mark.parametrize('total,rest', [(64, [16, 24]), (13, [7, 3]),
+                                        (10, [5]), (6, []), (9, [2, 3])])
+def test_drawn_rows_are_the_rows_of_the_global_draw(sampler, total, rest):
+  # Only this call's rows are drawn; they must be bit for bit the rows of
+  # one draw for the whole global batch (the definition of the mask), at
+  # every offset: rows of 21 or 5 elements start mid-way through Philox's
+  # groups of 4.
+  x = tf.zeros([total] + rest)
+  seed = dropout.mask_seed('model.noise', 7)
+  every = sampler([total] + rest, seed).numpy()
+  for first in range(total):
+    for n in {1, 2, total - first}:
+      if first + n > total:
+        continue
+      with fprop_context.scope(training=True, step=7, first_example=first,
+                               global_batch_size=total):
+        got = dropout.example_noise(x[first:first + n], 'model.noise',
+                                    sampler)
+      np.testing.assert_array_equal(got, every[first:first + n])
+
+
+def test_drawn_rows_with_unknown_dims_under_tf_function():
+  seed = dropout.mask_seed('model.noise', 3)
+  every = tf.random.stateless_uniform([8, 5, 3], seed).numpy()
+  fn = tf.function(
+      lambda x: dropout.example_noise(x, 'model.noise',
+                                      tf.random.stateless_uniform),
+      input_signature=[tf.TensorSpec([None, None, 3])])
+  with fprop_context.scope(training=True, step=3, first_example=3,
+                           global_batch_size=8):
+    got = fn(tf.zeros([2, 5, 3]))
+  np.testing.assert_array_equal(got, every[3:5])
+
+
+def test_another_sampler_draws_the_global_batch_and_slices_it():
+  def sampler(shape, seed):
+    return tf.random.stateless_uniform(shape, seed, minval=-2.0, maxval=2.0)
+  seed = dropout.mask_seed('model.noise', 1)
+  every = sampler([6, 4], seed).numpy()
+  with fprop_context.scope(training=True, step=1, first_example=2,
+                           global_batch_size=6):
+    got = dropout.example_noise(tf.zeros([3, 4]), 'model.noise', sampler)
+  np.testing.assert_array_equal(got, every[2:5])
+
+
+def test_the_counter_carries_into_its_high_word():
+  key, counter, alg = tf.raw_ops.StatelessRandomGetKeyCounterAlg(
+      seed=tf.constant([1, 2], tf.int64))
+  near_wrap = tf.constant([2**64 - 1, 5], tf.uint64)
+  np.testing.assert_array_equal(dropout._advance(near_wrap, 1), [0, 6])
+  np.testing.assert_array_equal(dropout._advance(counter, 3),
+                                [counter[0] + 3, counter[1]])
+
+  def draw(c, n):
+    return tf.raw_ops.StatelessRandomUniformV2(
+        shape=[n], key=key, counter=c, alg=alg, dtype=tf.float32).numpy()
+  # Philox's second group of 4 from the counter below the wrap is the first
+  # group from the one after it: the carry is where Philox puts it.
+  np.testing.assert_array_equal(draw(near_wrap, 8)[4:],
+                                draw(dropout._advance(near_wrap, 1), 4))
