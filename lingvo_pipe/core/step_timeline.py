@@ -25,7 +25,8 @@ gaps). Tracing the second function costs about as much as the first step.
 A compiled function's first run of a batch shape pays one-off costs
 (memory and kernel set-up: the translation task's step 8 on 2 stage
 processes took 4.00 s cold and 3.32 s warm, its forward ops up to a third
-longer), so a chosen step runs on a warmed-up function: the
+longer, when every dropout op still drew the whole batch's mask; 2.30 s
+warm since), so a chosen step runs on a warmed-up function: the
 latest earlier step of the same batch shape runs recorded too. With one
 shape that is the step before; with length buckets (the translation
 task's three shapes take turns) the trainer asks the input generator each
