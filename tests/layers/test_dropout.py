@@ -207,3 +207,20 @@ def test_the_counter_carries_into_its_high_word():
   # group from the one after it: the carry is where Philox puts it.
   np.testing.assert_array_equal(draw(near_wrap, 8)[4:],
                                 draw(dropout._advance(near_wrap, 1), 4))
+
+
+def test_a_micro_batch_draws_its_own_rows_only(monkeypatch):
+  # The cost: a micro-batch of 8 rows of a 64-row global batch draws 8 rows
+  # (+ at most 3 elements to reach Philox's group), not 64.
+  drawn = []
+  raw = dropout._COUNTER_BASED[tf.random.stateless_uniform]
+
+  def counting(**kwargs):
+    drawn.append(int(np.prod(kwargs['shape'])))
+    return raw(**kwargs)
+  monkeypatch.setitem(dropout._COUNTER_BASED, tf.random.stateless_uniform,
+                      counting)
+  with fprop_context.scope(training=True, step=1, first_example=25,
+                           global_batch_size=64):
+    dropout.apply_dropout(tf.ones([8, 5, 7]), 0.5, 'model.drop')
+  assert len(drawn) == 1 and 8 * 35 <= drawn[0] <= 8 * 35 + 3
