@@ -18,14 +18,17 @@ replica). An example therefore gets the same mask however the batch is cut
 into micro-batches or replicas and however many stages there are, and the
 recompute pass reproduces the forward mask exactly.
 
-Only those rows are drawn. TF's stateless draws are Philox, a counter-based
-generator: element e of a draw comes from counter + e // 4. So the rows of
-examples start … start + n are a draw of n rows from the counter advanced
-by start × (elements per row) // 4, less the first (start × row) % 4
-elements — bit for bit the slice of the global draw
-(tests/layers/test_dropout.py), at 1/(M·R) of its cost. Drawing the global
-batch and slicing it made every micro-batch pay for all M·R: with M=8 the
-translation model's forward passes took 2–3× its layers' own time.
+Only those rows are drawn. TF's stateless draws are Philox (what its
+'auto_select' algorithm is), a counter-based generator: float element e of
+a draw comes from counter + e // 4. So the rows of examples start … start +
+n are a draw of n rows from the counter advanced by start × (elements per
+row) // 4, less the first (start × row) % 4 elements — bit for bit the
+slice of the global draw (tests/layers/test_dropout.py), at 1/(M·R) of its
+cost. Drawing the global batch and slicing it made each call pay for all
+M·R micro-batches. In one traced step Grappler merges those identical
+draws, but a step recorded op by op (--timeline_steps) paid them in every
+forward: with M=8 the translation model's recorded forwards took 2–3× its
+layers' own time.
 
 Cost convention (FPropMeta): 1 flop per element (compare and scale).
 """
