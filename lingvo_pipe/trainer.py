@@ -265,7 +265,8 @@ class Trainer:
     progress = progress_lib.Progress(train.max_steps, batch_size)
     rate = progress_lib.Rate(batch_size)
     if self._timeline is not None:
-      self._timeline.plan_warm_ups(start + 1, base_input_generator.train_batch_shapes(generator))
+      self._timeline.plan_warm_ups(
+          start + 1, base_input_generator.train_batch_shapes(generator))
     watchdog.expect_step(first=True)  # A stuck step ends a cluster task.
     for batch in base_input_generator.without_autotune_thread(
         generator.TrainDataset(start)):
